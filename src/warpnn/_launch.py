@@ -1,0 +1,231 @@
+"""How a Warp kernel runs when XLA executes a warpnn call: the launch mechanism.
+
+The bridge (``_bridge.py``) only needs two FFI target names per kernel signature, one for the
+forward launch and one for the adjoint launch; it passes everything that varies per call (static
+scalars, launch dims) as FFI *attributes*, so a handler keeps no per-call Python state.
+
+This module implements those targets with a Python (ctypes) handler, the same mechanism as
+``wp.jax_kernel``, with three differences that make it correct for training:
+
+* outputs (and adjoint outputs) are zeroed on the XLA stream before the launch, so kernels that
+  accumulate with ``wp.atomic_add`` are right;
+* leading ``vmap`` batch dimensions are never folded into Warp's launch: the kernel is launched once
+  per batch element with per-argument pointer offsets (offset 0 for an unbatched, broadcast
+  argument), so kernels whose threads read or write other elements stay correct;
+* the adjoint is a direct launch of Warp's generated backward kernel, declared command-buffer
+  compatible like the forward, so XLA can capture both into CUDA graphs.
+
+A later native (C++) handler replaces ``PythonLauncher`` behind the same ``targets()`` interface.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+import warp as wp
+
+from . import _warp_compat as wc
+from ._signature import ArgSpec, KernelSignature
+
+ffi = wc.xla_ffi
+
+_PLATFORMS = ("cpu", "CUDA")  # JAX platform names for register_ffi_target are case-sensitive
+# XLA may call handlers from several threads (one per device); Warp's module loading is not thread-safe.
+_HANDLER_LOCK = threading.Lock()
+_CALLBACK_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(ffi.XLA_FFI_CallFrame))
+
+SCALAR_ATTR_PREFIX = "arg_"
+LAUNCH_DIMS_ATTR = "launch_dims"
+
+
+class _Buffer:
+    """An XLA buffer seen as a batch of Warp arrays of one kernel argument."""
+
+    __slots__ = ("data", "warp_dims", "batch_dims", "item_bytes")
+
+    def __init__(self, xla_buffer, spec: ArgSpec):
+        dims = tuple(xla_buffer.dims[i] for i in range(xla_buffer.rank))
+        lead = len(dims) - spec.jax_ndim
+        self.data = xla_buffer.data or 0
+        self.batch_dims = dims[:lead]
+        self.warp_dims = dims[lead : lead + spec.warp_ndim]
+        self.item_bytes = int(np.prod(dims[lead:], dtype=np.int64)) * spec.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.item_bytes * int(np.prod(self.batch_dims, dtype=np.int64))
+
+    def batch_offsets(self, batch_shape: tuple[int, ...]) -> list[int]:
+        """Byte offset of each batch element; broadcast (size-1) batch dims get stride 0."""
+        if not batch_shape:
+            return [0]
+        strides, stride = [], self.item_bytes
+        for own, full in zip(reversed(self.batch_dims), reversed(batch_shape)):
+            strides.append(stride if own == full else 0)
+            stride *= own
+        strides.reverse()
+        return [sum(i * s for i, s in zip(idx, strides)) for idx in itertools.product(*map(range, batch_shape))]
+
+
+def _array_desc(buf: _Buffer | None, spec: ArgSpec, offset: int):
+    if buf is None:  # no adjoint for this argument (integer array): Warp skips null adjoint arrays
+        return wc.array_t()
+    strides = wc.strides_from_shape(buf.warp_dims, spec.warp_dtype)
+    return wc.array_t(buf.data + offset, 0, spec.warp_ndim, buf.warp_dims, strides)
+
+
+def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):
+    ctype = spec.warp_type._type_
+    return ctype(0) if adjoint_slot else ctype(attrs[SCALAR_ATTR_PREFIX + spec.name])
+
+
+class PythonLauncher:
+    """Registers and serves the forward/adjoint FFI targets of kernel signatures with Python handlers."""
+
+    def __init__(self):
+        self._targets: dict[int, tuple[str, str]] = {}
+        # ctypes callbacks must outlive every XLA executable that may call them: keep them forever.
+        self._callbacks: list[Any] = []
+        self._lock = threading.Lock()
+
+    @property
+    def num_registered(self) -> int:
+        """Number of kernel signatures with registered targets (each is registered exactly once)."""
+        return len(self._targets)
+
+    def targets(self, sig: KernelSignature) -> tuple[str, str]:
+        """The (forward, adjoint) FFI target names for ``sig``, registering them on first use."""
+        names = self._targets.get(id(sig))
+        if names is not None:
+            return names
+        with self._lock:
+            if id(sig) not in self._targets:
+                base = f"warpnn_{len(self._targets)}_{sig.key}"
+                names = (f"{base}_fwd", f"{base}_adj")
+                for name, adjoint in zip(names, (False, True)):
+                    self._register(name, sig, adjoint)
+                self._targets[id(sig)] = names
+        return self._targets[id(sig)]
+
+    def _register(self, name: str, sig: KernelSignature, adjoint: bool) -> None:
+        for platform in _PLATFORMS:
+
+            def handler(call_frame, platform=platform):
+                return _handle(call_frame, sig, adjoint, platform)
+
+            callback = _CALLBACK_TYPE(handler)
+            self._callbacks.append(callback)
+            address = ctypes.cast(callback, ctypes.c_void_p).value
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform=platform)
+
+
+def _handle(call_frame, sig: KernelSignature, adjoint: bool, platform: str):
+    frame = call_frame.contents
+    # XLA's first call asks for the handler's API version and traits through the metadata extension.
+    extension = frame.extension_start
+    if extension and extension.contents.type == ffi.XLA_FFI_Extension_Type.Metadata:
+        metadata = ctypes.cast(extension, ctypes.POINTER(ffi.XLA_FFI_Metadata_Extension)).contents.metadata.contents
+        metadata.api_version.major_version = 0
+        metadata.api_version.minor_version = 1
+        if platform == "CUDA":
+            # Zeroing and launches are plain stream work, so XLA may record them into CUDA graphs.
+            metadata.traits = ffi.XLA_FFI_Handler_TraitsBits.COMMAND_BUFFER_COMPATIBLE
+        return None
+    try:
+        with _HANDLER_LOCK:
+            _launch(frame, sig, adjoint, platform)
+        return None
+    except Exception as e:  # an exception must never unwind through XLA's C++ frames
+        traceback.print_exc()
+        return ffi.create_ffi_error(
+            frame.api, ffi.XLA_FFI_Error_Code.UNKNOWN, f"warpnn: kernel '{sig.key}' failed: {type(e).__name__}: {e}"
+        )
+
+
+def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
+    attrs = ffi.decode_attrs(frame.attrs)
+    args = ctypes.cast(frame.args.args, ctypes.POINTER(ctypes.POINTER(ffi.XLA_FFI_Buffer)))
+    rets = ctypes.cast(frame.rets.rets, ctypes.POINTER(ctypes.POINTER(ffi.XLA_FFI_Buffer)))
+
+    # Buffer order, fixed by _bridge: forward takes the array inputs and returns the outputs;
+    # adjoint takes array inputs, primal outputs, cotangents of float outputs and returns
+    # the adjoints of float array inputs.
+    n_in = len(sig.array_inputs)
+    inputs = {s.name: _Buffer(args[i].contents, s) for i, s in enumerate(sig.array_inputs)}
+    if not adjoint:
+        outputs = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(sig.outputs)}
+        zeroed = list(outputs.values())
+    else:
+        outputs = {s.name: _Buffer(args[n_in + i].contents, s) for i, s in enumerate(sig.outputs)}
+        base = n_in + len(sig.outputs)
+        adj_outputs = {s.name: _Buffer(args[base + i].contents, s) for i, s in enumerate(sig.float_outputs)}
+        adj_inputs = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(sig.float_array_inputs)}
+        zeroed = list(adj_inputs.values())
+
+    if platform == "cpu":
+        device, stream = wp.get_device("cpu"), None
+    else:
+        wc.runtime()
+        device = wp.get_cuda_device(ffi.get_device_ordinal_from_callframe(frame))
+        stream = ffi.get_stream_from_callframe(frame)
+
+    module_exec = sig.kernel.module.load(device)
+    if module_exec is None:
+        raise RuntimeError(f"Warp could not build module '{sig.kernel.module.name}' for {device}")
+    hooks = module_exec.get_kernel_hooks(sig.kernel)
+    block_dim = module_exec.block_dim
+    bounds = wc.build_launch_bounds(tuple(int(d) for d in attrs[LAUNCH_DIMS_ATTR]), sig.kernel, block_dim)
+
+    core = wc.runtime().core
+    for buf in zeroed:
+        if buf.nbytes:
+            if stream is None:
+                ctypes.memset(buf.data, 0, buf.nbytes)
+            else:
+                core.wp_memset_device(device.context, buf.data, 0, buf.nbytes, stream)
+
+    # Every result carries the full vmap batch (XLA's expand_dims batching), so it defines the batch shape.
+    results = list((adj_inputs if adjoint else outputs).values())
+    batch_shape = results[0].batch_dims if results else ()
+    primal = {**inputs, **outputs}
+    slots = [(primal.get(s.name), s, False) for s in (*sig.inputs, *sig.outputs)]
+    if adjoint:  # Warp's backward entry takes the primal arguments, then one adjoint per argument
+        slots += [(adj_inputs.get(s.name), s, True) for s in sig.inputs]
+        slots += [(adj_outputs.get(s.name), s, True) for s in sig.outputs]
+    slot_offsets = [buf.batch_offsets(batch_shape) if buf is not None else None for buf, _, _ in slots]
+
+    for b in range(int(np.prod(batch_shape, dtype=np.int64))):
+        params = [bounds]
+        for (buf, spec, is_adjoint), offs in zip(slots, slot_offsets):
+            if spec.is_array:
+                params.append(_array_desc(buf, spec, offs[b] if offs else 0))
+            else:
+                params.append(_scalar_value(spec, attrs, adjoint_slot=is_adjoint))
+        _run(sig.kernel, hooks, params, adjoint, device, stream, block_dim, core)
+
+
+def _run(kernel, hooks, params, adjoint, device, stream, block_dim, core) -> None:
+    if stream is None:
+        if block_dim > 1:
+            wc.invoke_cpu_blocks(kernel, hooks, params, adjoint=adjoint)
+        else:
+            wc.invoke_cpu(kernel, hooks, params, adjoint=adjoint)
+        return
+    entry = hooks.backward if adjoint else hooks.forward
+    smem = hooks.backward_smem_bytes if adjoint else hooks.forward_smem_bytes
+    ptrs = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
+    failed = core.wp_cuda_launch_kernel(
+        device.context, entry, params[0].size, 0, block_dim, int(bool(kernel.grid_stride)),
+        hooks.cluster_dim, smem, ptrs, stream, None,
+    )
+    if failed:
+        raise RuntimeError(f"CUDA launch of {'adjoint' if adjoint else 'forward'} kernel '{kernel.key}' failed")
+
+
+LAUNCHER = PythonLauncher()

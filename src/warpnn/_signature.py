@@ -1,0 +1,154 @@
+"""What a Warp kernel's signature means to JAX: which arguments are arrays, scalars, outputs.
+
+Warp's convention (shared by ``wp.jax_kernel``): the first ``len(args) - num_outputs``
+parameters are inputs (arrays or scalars), the last ``num_outputs`` are output arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import warp as wp
+
+from . import _warp_compat as wc
+
+_FLOAT_KINDS = ("f",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgSpec:
+    """One kernel parameter as JAX sees it.
+
+    ``warp_ndim`` is the Warp array rank (what ``wp.tid()`` indexes); vector and matrix dtypes add
+    ``inner_shape`` trailing JAX dims, so a ``wp.array(dtype=wp.vec3)`` is a JAX ``(n, 3)`` array.
+    """
+
+    name: str
+    warp_type: Any
+    is_array: bool
+    warp_ndim: int
+    inner_shape: tuple[int, ...]
+    dtype: np.dtype  # the JAX/NumPy scalar dtype
+
+    @property
+    def jax_ndim(self) -> int:
+        return self.warp_ndim + len(self.inner_shape)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.kind in _FLOAT_KINDS
+
+    @property
+    def warp_dtype(self):
+        """The Warp element type of an array argument (``wp.vec3``, ``wp.float32``, ...)."""
+        return self.warp_type.dtype
+
+    def describe(self) -> str:
+        if not self.is_array:
+            return f"static {self.dtype.name} scalar"
+        inner = f", inner dims {self.inner_shape}" if self.inner_shape else ""
+        return f"{self.jax_ndim}-D {self.dtype.name} array ({self.warp_ndim} Warp dims{inner})"
+
+    def jax_shape(self, warp_dims: tuple[int, ...]) -> tuple[int, ...]:
+        return (*warp_dims, *self.inner_shape)
+
+
+def _arg_spec(name: str, warp_type: Any, kernel_key: str) -> ArgSpec:
+    if wc.matches_array_class(warp_type, wp.array):
+        dtype = warp_type.dtype
+        if hasattr(dtype, "_wp_scalar_type_"):  # vector / matrix / quaternion / transform
+            inner, scalar = tuple(dtype._shape_), dtype._wp_scalar_type_
+        elif dtype in wc.value_types:
+            inner, scalar = (), dtype
+        else:
+            raise TypeError(
+                f"Kernel '{kernel_key}', argument '{name}': arrays of {dtype} cannot cross into JAX. "
+                "Use scalar, vector or matrix dtypes (wp.float32, wp.vec3, wp.mat33, ...)."
+            )
+        return ArgSpec(name, warp_type, True, warp_type.ndim, inner, np.dtype(wp.dtype_to_jax(scalar)))
+    if warp_type in wc.value_types:
+        return ArgSpec(name, warp_type, False, 0, (), np.dtype(wp.dtype_to_jax(warp_type)))
+    raise TypeError(
+        f"Kernel '{kernel_key}', argument '{name}' has type {warp_type}, which warpnn cannot pass from JAX. "
+        "Supported: wp.array(...) of scalar/vector/matrix dtypes, and scalar types (float, int, wp.uint64 ids). "
+        "Pass structs or vectors as arrays instead."
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelSignature:
+    """The parsed signature of one Warp kernel with a given number of outputs.
+
+    Compared by identity: one instance exists per (kernel, num_outputs), see ``signature_of``.
+    """
+
+    kernel: Any
+    inputs: tuple[ArgSpec, ...]
+    outputs: tuple[ArgSpec, ...]
+
+    @property
+    def key(self) -> str:
+        return self.kernel.key
+
+    @property
+    def array_inputs(self) -> tuple[ArgSpec, ...]:
+        return tuple(a for a in self.inputs if a.is_array)
+
+    @property
+    def float_array_inputs(self) -> tuple[ArgSpec, ...]:
+        return tuple(a for a in self.inputs if a.is_array and a.is_float)
+
+    @property
+    def float_outputs(self) -> tuple[ArgSpec, ...]:
+        return tuple(a for a in self.outputs if a.is_float)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.outputs)
+
+
+_SIGNATURES: dict[tuple[int, int], KernelSignature] = {}
+
+
+def signature_of(kernel: Any, num_outputs: int) -> KernelSignature:
+    """Parse (once) and return the signature of ``kernel`` with its last ``num_outputs`` args as outputs."""
+    if not isinstance(kernel, wp.Kernel):
+        raise TypeError(
+            f"warpnn.jax_kernel expects a Warp kernel (a function decorated with @wp.kernel), "
+            f"got {type(kernel).__name__}."
+        )
+    cache_key = (id(kernel), num_outputs)
+    cached = _SIGNATURES.get(cache_key)
+    if cached is not None and cached.kernel is kernel:
+        return cached
+
+    params = kernel.adj.args
+    if not isinstance(num_outputs, int) or not 1 <= num_outputs <= len(params):
+        raise ValueError(
+            f"num_outputs={num_outputs!r} for kernel '{kernel.key}', whose parameters are "
+            f"{[a.label for a in params]}. num_outputs counts the output arrays at the end of the "
+            f"signature and must be between 1 and {len(params)}."
+        )
+    specs = [_arg_spec(a.label, a.type, kernel.key) for a in params]
+    inputs, outputs = tuple(specs[: len(specs) - num_outputs]), tuple(specs[len(specs) - num_outputs :])
+    for out in outputs:
+        if not out.is_array:
+            raise TypeError(
+                f"Kernel '{kernel.key}': output argument '{out.name}' is a {out.dtype.name} scalar, but "
+                f"outputs must be arrays. With num_outputs={num_outputs} the outputs are "
+                f"{[o.name for o in outputs]}; lower num_outputs or make '{out.name}' a wp.array."
+            )
+    if not kernel.module.options.get("enable_backward", True):
+        raise ValueError(
+            f"Kernel '{kernel.key}' was compiled without adjoints (module option enable_backward=False), "
+            "so warpnn cannot differentiate it. Remove the option or set wp.config.enable_backward = True."
+        )
+    sig = KernelSignature(kernel, inputs, outputs)
+    _SIGNATURES[cache_key] = sig
+    return sig

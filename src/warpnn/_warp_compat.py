@@ -1,0 +1,36 @@
+"""Every use of Warp's private API lives here, so a Warp upgrade touches one file.
+
+warpnn needs a few things Warp does not export: the ctypes mirror of XLA's FFI call frame
+(``warp._src.jax.xla_ffi``), the array descriptor ``array_t``, launch-bound construction,
+and the CPU entry-point invoker. They are stable across the 1.19 series that
+``pyproject.toml`` pins.
+"""
+
+from __future__ import annotations
+
+import warp as wp
+from warp._src.context import _build_kernel_launch_bounds as build_launch_bounds
+from warp._src.context import invoke as invoke_cpu
+from warp._src.context import invoke_cpu_blocks
+from warp._src.jax import xla_ffi
+from warp._src.types import array_t, matches_array_class, strides_from_shape, type_size_in_bytes, value_types
+
+__all__ = [
+    "array_t",
+    "build_launch_bounds",
+    "invoke_cpu",
+    "invoke_cpu_blocks",
+    "matches_array_class",
+    "runtime",
+    "strides_from_shape",
+    "type_size_in_bytes",
+    "value_types",
+    "xla_ffi",
+]
+
+
+def runtime():
+    """Warp's runtime singleton, initialising Warp on first use."""
+    if wp._src.context.runtime is None:
+        wp.init()
+    return wp._src.context.runtime
