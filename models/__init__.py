@@ -1,0 +1,1 @@
+"""Reusable models built from warpnn layers (installed as ``warpnn_models``)."""

@@ -1,0 +1,1 @@
+"""Training scripts built on warpnn and the model zoo (installed as ``warpnn_train``)."""
