@@ -39,7 +39,7 @@ class _CallPlan:
     output_shapes: tuple[tuple[int, ...], ...]
 
     def attrs(self) -> dict[str, Any]:
-        attrs = {LAUNCH_DIMS_ATTR: np.asarray(self.launch_dims, dtype=np.int64)}
+        attrs = {LAUNCH_DIMS_ATTR: np.asarray(self.launch_dims, dtype=np.int64), **LAUNCHER.extra_attrs(self.sig)}
         for name, value in self.scalars:
             # int64 / float64 attributes hold every Warp scalar exactly; the handler casts to the kernel's type.
             attrs[SCALAR_ATTR_PREFIX + name] = np.int64(value) if isinstance(value, (int, np.integer)) else np.float64(value)

@@ -113,6 +113,10 @@ class PythonLauncher:
                 self._targets[id(sig)] = names
         return self._targets[id(sig)]
 
+    def extra_attrs(self, sig: KernelSignature) -> dict[str, Any]:
+        """Launcher-specific FFI attributes added to every call of ``sig`` (none: handlers close over ``sig``)."""
+        return {}
+
     def _register(self, name: str, sig: KernelSignature, adjoint: bool) -> None:
         for platform in _PLATFORMS:
 
