@@ -266,41 +266,44 @@ def _preload(kernel) -> None:
 # The differentiable call: forward and adjoint FFI calls joined by custom_vjp.
 
 
-def _forward_call(plan: _CallPlan, arrays) -> list[jax.Array]:
-    fwd_target, _ = LAUNCHER.targets(plan.sig)
-    out_types = [jax.ShapeDtypeStruct(shape, spec.dtype) for shape, spec in zip(plan.output_shapes, plan.sig.outputs)]
-    call = jax.ffi.ffi_call(fwd_target, out_types, vmap_method="expand_dims")
-    return list(call(*arrays, **plan.attrs()))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _adjoint_call(plan: _CallPlan, *operands) -> list[jax.Array]:
-    _, adj_target = LAUNCHER.targets(plan.sig)
-    float_inputs = plan.sig.float_array_inputs
-    shapes = {s.name: op.shape for s, op in zip(plan.sig.array_inputs, operands)}
-    out_types = [jax.ShapeDtypeStruct(shapes[s.name], s.dtype) for s in float_inputs]
-    call = jax.ffi.ffi_call(adj_target, out_types, vmap_method="expand_dims")
+def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
+    fwd_target, adj_target = LAUNCHER.targets(plan.sig)
+    if adjoint:
+        shapes = {s.name: op.shape for s, op in zip(plan.sig.array_inputs, operands)}
+        specs, shapes = plan.sig.float_array_inputs, [shapes[s.name] for s in plan.sig.float_array_inputs]
+    else:
+        specs, shapes = plan.sig.outputs, plan.output_shapes
+    out_types = [jax.ShapeDtypeStruct(shape, spec.dtype) for shape, spec in zip(shapes, specs)]
+    # expand_dims: under vmap every operand gets a leading batch dim (size 1 when unbatched); the
+    # launcher then launches per batch element instead of folding the batch into Warp's dims.
+    call = jax.ffi.ffi_call(adj_target if adjoint else fwd_target, out_types, vmap_method="expand_dims")
     return list(call(*operands, **plan.attrs()))
 
 
-def _adjoint_call_fwd(plan, *operands):
-    return _adjoint_call(plan, *operands), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _first_order_only(plan: _CallPlan, adjoint: bool, *operands) -> list[jax.Array]:
+    """An FFI call that refuses, with a clear message, to be differentiated (again)."""
+    return _ffi_call(plan, adjoint, operands)
 
 
-def _adjoint_call_bwd(plan, residuals, cotangents):
+def _first_order_only_fwd(plan, adjoint, *operands):
+    return _ffi_call(plan, adjoint, operands), None
+
+
+def _first_order_only_bwd(plan, adjoint, residuals, cotangents):
     raise NotImplementedError(SECOND_ORDER_MESSAGE)
 
 
-_adjoint_call.defvjp(_adjoint_call_fwd, _adjoint_call_bwd)
+_first_order_only.defvjp(_first_order_only_fwd, _first_order_only_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _differentiable_call(plan: _CallPlan, *arrays) -> list[jax.Array]:
-    return _forward_call(plan, arrays)
+    return _ffi_call(plan, False, arrays)
 
 
 def _differentiable_call_fwd(plan, *arrays):
-    outputs = _forward_call(plan, arrays)
+    outputs = _first_order_only(plan, False, *arrays)
     return outputs, (arrays, outputs)
 
 
@@ -310,7 +313,7 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     # Integer outputs have float0 cotangents; Warp gets no adjoint buffer for them.
     float_cts = [ct for ct, spec in zip(cotangents, sig.outputs) if spec.is_float]
     # Warp's adjoint replays the kernel with the post-forward output arrays (as wp.Tape does).
-    adjoints = iter(_adjoint_call(plan, *arrays, *outputs, *float_cts) if sig.float_array_inputs else [])
+    adjoints = iter(_first_order_only(plan, True, *arrays, *outputs, *float_cts) if sig.float_array_inputs else [])
     return tuple(next(adjoints) if spec.is_float else None for spec in sig.array_inputs)
 
 

@@ -1,0 +1,104 @@
+"""Small Warp kernels covering the shapes a bridge must get right, each with a pure-JAX reference."""
+
+import jax
+import jax.numpy as jnp
+import warp as wp
+
+
+@wp.kernel
+def scale_square(x: wp.array(dtype=float), s: float, y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = s * x[i] * x[i]
+
+
+def scale_square_ref(x, s):
+    return s * x * x
+
+
+@wp.kernel
+def weighted_gather(x: wp.array(dtype=float), idx: wp.array(dtype=wp.int32), w: wp.array(dtype=float),
+                    y: wp.array(dtype=float)):
+    # thread i reads another element of x: a vmap that folds the batch into dim 0 breaks this
+    i = wp.tid()
+    y[i] = w[i] * x[idx[i]]
+
+
+def weighted_gather_ref(x, idx, w):
+    return w * x[idx]
+
+
+@wp.kernel
+def spring_forces(pos: wp.array(dtype=wp.vec3), springs: wp.array2d(dtype=wp.int32),
+                  stiffness: wp.array(dtype=float), rest: wp.array(dtype=float), force_scale: float,
+                  f: wp.array(dtype=wp.vec3)):
+    # one thread per spring, scattering into per-particle forces
+    s = wp.tid()
+    i = springs[s, 0]
+    j = springs[s, 1]
+    d = pos[j] - pos[i]
+    length = wp.length(d)
+    fs = force_scale * stiffness[s] * (length - rest[s]) * d / length
+    wp.atomic_add(f, i, fs)
+    wp.atomic_sub(f, j, fs)
+
+
+def spring_forces_ref(pos, springs, stiffness, rest, force_scale):
+    i, j = springs[:, 0], springs[:, 1]
+    d = pos[j] - pos[i]
+    length = jnp.linalg.norm(d, axis=-1, keepdims=True)
+    fs = force_scale * stiffness[:, None] * (length - rest[:, None]) * d / length
+    return jnp.zeros_like(pos).at[i].add(fs).at[j].add(-fs)
+
+
+@wp.kernel
+def affine_2d(a: wp.array2d(dtype=float), b: wp.array(dtype=float), c: wp.array(dtype=float),
+              out: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    out[i, j] = a[i, j] * b[j] + c[i] * a[i, j] * a[i, j]
+
+
+def affine_2d_ref(a, b, c):
+    return a * b[None, :] + c[:, None] * a * a
+
+
+@wp.kernel
+def two_outputs(x: wp.array(dtype=float), a: float, y: wp.array(dtype=float), total: wp.array(dtype=float)):
+    # outputs of different shapes: y is elementwise, total accumulates over every thread
+    i = wp.tid()
+    y[i] = wp.sin(x[i]) * a
+    wp.atomic_add(total, 0, x[i] * x[i])
+
+
+def two_outputs_ref(x, a):
+    return jnp.sin(x) * a, jnp.sum(x * x)[None]
+
+
+@wp.kernel
+def rotate(m: wp.array(dtype=wp.mat33), v: wp.array(dtype=wp.vec3), out: wp.array(dtype=wp.vec3)):
+    i = wp.tid()
+    out[i] = m[i] * v[i]
+
+
+def rotate_ref(m, v):
+    return jnp.einsum("nij,nj->ni", m, v)
+
+
+@wp.kernel
+def cubic_f64(x: wp.array(dtype=wp.float64), w: wp.array(dtype=wp.float64), y: wp.array(dtype=wp.float64)):
+    i = wp.tid()
+    y[i] = w[i] * x[i] * x[i] * x[i] + wp.sin(x[i] * w[i])
+
+
+def cubic_f64_ref(x, w):
+    return w * x**3 + jnp.sin(x * w)
+
+
+def chain_springs(n):
+    """A chain of n particles with springs (i, i+1) and (i, i+2): shared connectivity for the tests."""
+    a = jnp.arange(n - 1)
+    b = jnp.arange(n - 2)
+    return jnp.concatenate([jnp.stack([a, a + 1], 1), jnp.stack([b, b + 2], 1)]).astype(jnp.int32)
+
+
+def random_positions(key, n):
+    return jax.random.normal(key, (n, 3), jnp.float32) + jnp.arange(n, dtype=jnp.float32)[:, None] * jnp.array([1.0, 0.0, 0.0])

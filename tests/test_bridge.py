@@ -1,0 +1,323 @@
+"""warpnn.jax_kernel against pure-JAX references: forward, grad, vmap, vmap∘grad, scan, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import warpnn
+from warpnn import _launch
+
+from . import kernels_for_tests as K
+from .helpers import assert_close
+
+N = 16
+
+
+@pytest.fixture(scope="module")
+def springs_setup():
+    key = jax.random.PRNGKey(1)
+    springs = K.chain_springs(N)
+    m = springs.shape[0]
+    k1, k2, k3 = jax.random.split(key, 3)
+    pos = K.random_positions(k1, N)
+    stiffness = jax.random.uniform(k2, (m,), minval=0.5, maxval=2.0)
+    rest = jax.random.uniform(k3, (m,), minval=0.5, maxval=1.5)
+    return pos, springs, stiffness, rest
+
+
+def springs_fn():
+    f = warpnn.jax_kernel(K.spring_forces)
+
+    def forces(pos, springs, stiffness, rest, scale=1.0):
+        (out,) = f(pos, springs, stiffness, rest, scale, launch_dims=springs.shape[0], output_dims=pos.shape[0])
+        return out
+
+    return forces
+
+
+def _vjp_check(f, ref, args, argnums, key, rtol=1e-4, atol=1e-5):
+    """Outputs match, and gradients of a random projection of the outputs match, for each argnum."""
+    out, ref_out = f(*args), ref(*args)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol, atol), out, ref_out)
+    weights = jax.tree.map(lambda o: jax.random.normal(key, o.shape, o.dtype), ref_out)
+
+    def loss(fn):
+        return lambda *a: sum(jnp.vdot(w, o) for w, o in zip(jax.tree.leaves(weights), jax.tree.leaves(fn(*a))))
+
+    g = jax.grad(loss(f), argnums)(*args)
+    g_ref = jax.grad(loss(ref), argnums)(*args)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol, atol), g, g_ref)
+
+
+# ---------------------------------------------------------------------------------------------- forward + grad
+
+
+def test_elementwise_forward_and_grad(key):
+    f = warpnn.jax_kernel(K.scale_square)
+    x = jax.random.normal(key, (N,))
+    _vjp_check(lambda x: f(x, 1.5)[0], lambda x: K.scale_square_ref(x, 1.5), (x,), 0, key)
+
+
+def test_gather_forward_and_grad(key):
+    f = warpnn.jax_kernel(K.weighted_gather, launch_dims=None)
+    x, w = jax.random.normal(key, (N,)), jax.random.normal(jax.random.PRNGKey(3), (N,))
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, N, N), jnp.int32)  # repeats: gradients accumulate
+    _vjp_check(lambda x, w: f(x, idx, w, launch_dims=N)[0], lambda x, w: K.weighted_gather_ref(x, idx, w), (x, w), (0, 1), key)
+
+
+def test_springs_scatter_forward_and_grad(springs_setup, key):
+    pos, springs, stiffness, rest = springs_setup
+    forces = springs_fn()
+    _vjp_check(
+        lambda p, k, r: forces(p, springs, k, r, 0.7),
+        lambda p, k, r: K.spring_forces_ref(p, springs, k, r, 0.7),
+        (pos, stiffness, rest), (0, 1, 2), key,
+    )
+
+
+def test_outputs_are_zeroed_every_call(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    forces = jax.jit(springs_fn())
+    first = forces(pos, springs, stiffness, rest)
+    for _ in range(3):  # an accumulating kernel must not see the previous call's forces
+        assert_close(forces(pos, springs, stiffness, rest), first, 0, 0)
+
+
+def test_2d_launch_forward_and_grad(key):
+    f = warpnn.jax_kernel(K.affine_2d)
+    a = jax.random.normal(key, (5, 7))
+    b, c = jnp.linspace(-1, 1, 7), jnp.linspace(0, 2, 5)
+    _vjp_check(lambda a, b, c: f(a, b, c)[0], K.affine_2d_ref, (a, b, c), (0, 1, 2), key)
+
+
+def test_multiple_outputs_with_own_shapes(key):
+    f = warpnn.jax_kernel(K.two_outputs, num_outputs=2, output_dims={"y": N, "total": 1})
+    x = jax.random.normal(key, (N,))
+    _vjp_check(lambda x: f(x, 0.3), lambda x: K.two_outputs_ref(x, 0.3), (x,), 0, key)
+
+
+def test_output_dims_accepts_jax_dims_for_vector_outputs(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    f = warpnn.jax_kernel(K.spring_forces)
+    (warp_dims,) = f(pos, springs, stiffness, rest, 1.0, launch_dims=springs.shape[0], output_dims=N)
+    (jax_dims,) = f(pos, springs, stiffness, rest, 1.0, launch_dims=springs.shape[0], output_dims=(N, 3))
+    assert warp_dims.shape == jax_dims.shape == (N, 3)
+    assert_close(warp_dims, jax_dims, 0, 0)
+
+
+def test_vector_and_matrix_dtypes(key):
+    f = warpnn.jax_kernel(K.rotate)
+    m = jax.random.normal(key, (N, 3, 3))
+    v = jax.random.normal(jax.random.PRNGKey(5), (N, 3))
+    _vjp_check(lambda m, v: f(m, v)[0], K.rotate_ref, (m, v), (0, 1), key)
+
+
+def test_check_grads_float64(x64):
+    f = warpnn.jax_kernel(K.cubic_f64)
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float64)
+    w = jnp.linspace(0.5, 2.0, 8, dtype=jnp.float64)
+    check_grads(lambda x, w: f(x, w)[0], (x, w), order=1, modes=("rev",))
+    assert_close(f(x, w)[0], K.cubic_f64_ref(x, w), 1e-12, 1e-12)
+
+
+def test_integer_inputs_get_no_gradient(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    forces = springs_fn()
+    g = jax.grad(lambda p, s: forces(p, s, stiffness, rest).sum(), argnums=1, allow_int=True)(pos, springs)
+    assert g.dtype == jax.dtypes.float0
+
+
+# ---------------------------------------------------------------------------------------------- transformations
+
+
+def test_jit_matches_eager(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    forces = springs_fn()
+    assert_close(jax.jit(forces, static_argnums=4)(pos, springs, stiffness, rest, 2.0),
+                 forces(pos, springs, stiffness, rest, 2.0), 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("batched", ["pos", "stiffness", "pos+stiffness", "springs"])
+def test_vmap_springs_mixed_batched_and_shared_args(springs_setup, batched, key):
+    pos, springs, stiffness, rest = springs_setup
+    B = 3
+    keys = jax.random.split(key, B)
+    pos_b = pos[None] + 0.1 * jax.vmap(lambda k: jax.random.normal(k, pos.shape))(keys)
+    k_b = stiffness[None] * jnp.arange(1.0, B + 1)[:, None]
+    springs_b = jnp.stack([springs, springs[::-1], jnp.roll(springs, 1, 0)])
+    args = {"pos": pos, "stiffness": stiffness, "springs": springs}
+    axes = {"pos": None, "stiffness": None, "springs": None}
+    for name, value in (("pos", pos_b), ("stiffness", k_b), ("springs", springs_b)):
+        if name in batched:
+            args[name], axes[name] = value, 0
+    forces = springs_fn()
+
+    def f(fn):
+        return jax.vmap(lambda p, s, k: fn(p, s, k, rest, 1.0), in_axes=(axes["pos"], axes["springs"], axes["stiffness"]))
+
+    out = f(forces)(args["pos"], args["springs"], args["stiffness"])
+    ref = f(K.spring_forces_ref)(args["pos"], args["springs"], args["stiffness"])
+    assert out.shape == (B, N, 3)
+    assert_close(out, ref, 1e-4, 1e-5)
+
+
+def test_vmap_of_grad_with_shared_connectivity(springs_setup, key):
+    pos, springs, stiffness, rest = springs_setup
+    pos_b = pos[None] + 0.1 * jax.random.normal(key, (4, *pos.shape))
+    forces = springs_fn()
+
+    def grads(fn):
+        def energy_like(p, k):  # a scalar loss of the forces, differentiated w.r.t. positions and stiffness
+            return jnp.sum(jnp.sin(fn(p, springs, k, rest, 1.0)))
+        # positions batched, stiffness shared: its per-example gradients come back batched
+        return jax.jit(jax.vmap(jax.grad(energy_like, argnums=(0, 1)), in_axes=(0, None)))(pos_b, stiffness)
+
+    got, want = grads(forces), grads(K.spring_forces_ref)
+    jax.tree.map(lambda a, b: assert_close(a, b, 1e-4, 1e-5), got, want)
+
+
+def test_grad_of_vmap_sums_over_shared_arguments(springs_setup, key):
+    pos, springs, stiffness, rest = springs_setup
+    pos_b = pos[None] + 0.1 * jax.random.normal(key, (4, *pos.shape))
+    forces = springs_fn()
+
+    def loss(fn):
+        return lambda k: jnp.sum(jax.vmap(lambda p: fn(p, springs, k, rest, 1.0))(pos_b) ** 2)
+
+    assert_close(jax.grad(loss(forces))(stiffness), jax.grad(loss(K.spring_forces_ref))(stiffness), 1e-4, 1e-4)
+
+
+def test_nested_vmap(key):
+    f = warpnn.jax_kernel(K.weighted_gather)
+    x = jax.random.normal(key, (2, 3, N))
+    w = jax.random.normal(jax.random.PRNGKey(9), (3, N))  # batched over the inner axis only
+    idx = jnp.asarray(np.random.default_rng(1).integers(0, N, N), jnp.int32)
+
+    def run(fn):
+        return jax.vmap(jax.vmap(fn, in_axes=(0, None, 0)), in_axes=(0, None, None))(x, idx, w)
+
+    assert_close(run(lambda x, i, w: f(x, i, w)[0]), run(K.weighted_gather_ref), 1e-6, 1e-6)
+
+
+def _rollout(forces_fn, steps=12, dt=0.05):
+    def simulate(pos0, vel0, stiffness, rest, springs):
+        def step(carry, _):
+            p, v = carry
+            v = 0.98 * v + dt * forces_fn(p, springs, stiffness, rest, 1.0)
+            p = p + dt * v
+            return (p, v), jnp.sum(p[:, 1])
+
+        (p, v), heights = jax.lax.scan(step, (pos0, vel0), None, length=steps)
+        return jnp.sum(p**2) + jnp.sum(heights)
+
+    return simulate
+
+
+def test_scan_rollout_gradient(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    vel = jnp.zeros_like(pos)
+    g = jax.jit(jax.grad(_rollout(springs_fn()), argnums=(0, 1, 2, 3)))(pos, vel, stiffness, rest, springs)
+    g_ref = jax.grad(_rollout(K.spring_forces_ref), argnums=(0, 1, 2, 3))(pos, vel, stiffness, rest, springs)
+    jax.tree.map(lambda a, b: assert_close(a, b, 2e-3, 2e-4), g, g_ref)
+
+
+def test_fori_loop_gradient(key):
+    f = warpnn.jax_kernel(K.scale_square)
+    x = jax.random.uniform(key, (N,), minval=0.1, maxval=0.9)
+
+    def loop(fn):
+        return lambda x: jax.lax.fori_loop(0, 3, lambda i, y: fn(y), x).sum()
+
+    assert_close(jax.grad(loop(lambda y: f(y, 0.9)[0]))(x), jax.grad(loop(lambda y: K.scale_square_ref(y, 0.9)))(x), 1e-5, 1e-6)
+
+
+def test_checkpoint_around_kernel(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    forces = springs_fn()
+    loss = lambda fn: lambda k: jnp.sum(jax.checkpoint(lambda k: fn(pos, springs, k, rest, 1.0))(k) ** 2)
+    assert_close(jax.grad(loss(forces))(stiffness), jax.grad(loss(K.spring_forces_ref))(stiffness), 1e-4, 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- registration / state
+
+
+def test_one_registration_per_kernel_and_no_per_call_state():
+    f = warpnn.jax_kernel(K.scale_square)
+    x = jnp.ones(8)
+    f(x, 1.0)
+    registered = _launch.LAUNCHER.num_registered
+    callbacks = len(_launch.LAUNCHER._callbacks)
+    for i in range(50):  # changing static scalars retrace but never register or store anything per call
+        warpnn.jax_kernel(K.scale_square)(x, float(i))
+    jax.jit(lambda x: f(x, 3.0)[0])(x)
+    assert _launch.LAUNCHER.num_registered == registered
+    assert len(_launch.LAUNCHER._callbacks) == callbacks
+    assert_close(warpnn.jax_kernel(K.scale_square)(x, 7.0)[0], 7.0 * x, 0, 0)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_error_wrong_dtype_names_argument_and_fix(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    f = warpnn.jax_kernel(K.spring_forces)
+    with pytest.raises(TypeError, match=r"'pos'.*float32.*got int32.*astype"):
+        f(pos.astype(jnp.int32), springs, stiffness, rest, 1.0)
+
+
+def test_error_wrong_rank(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    f = warpnn.jax_kernel(K.spring_forces)
+    with pytest.raises(ValueError, match=r"'pos'.*2-D float32.*got shape \(48,\)"):
+        f(pos.reshape(-1), springs, stiffness, rest, 1.0)
+
+
+def test_error_wrong_inner_dims(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    f = warpnn.jax_kernel(K.spring_forces)
+    with pytest.raises(ValueError, match=r"'pos'.*inner dims \(3,\).*got shape \(16, 2\)"):
+        f(pos[:, :2], springs, stiffness, rest, 1.0)
+
+
+def test_error_traced_scalar():
+    f = warpnn.jax_kernel(K.scale_square)
+    with pytest.raises(TypeError, match=r"'s' is a static float32 scalar, but got a traced value.*1-element array"):
+        jax.jit(lambda x, s: f(x, s))(jnp.ones(4), 2.0)
+
+
+def test_error_wrong_arity():
+    f = warpnn.jax_kernel(K.scale_square)
+    with pytest.raises(TypeError, match=r"takes 2 inputs \['x', 's'\].*outputs \['y'\].*called with 3"):
+        f(jnp.ones(4), 1.0, jnp.ones(4))
+
+
+def test_error_output_not_array():
+    with pytest.raises(TypeError, match=r"output argument 's' is a float32 scalar.*must be arrays"):
+        warpnn.jax_kernel(K.scale_square, num_outputs=2)
+
+
+def test_error_output_dims_keys():
+    with pytest.raises(ValueError, match=r"output names \['y', 'total'\].*missing \['total'\]"):
+        warpnn.jax_kernel(K.two_outputs, num_outputs=2, output_dims={"y": 4})
+
+
+def test_error_not_a_kernel():
+    with pytest.raises(TypeError, match="expects a Warp kernel"):
+        warpnn.jax_kernel(lambda x: x)
+
+
+def test_forward_mode_is_refused_clearly():
+    f = warpnn.jax_kernel(K.scale_square)
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda x: f(x, 1.0)[0], (jnp.ones(4),), (jnp.ones(4),))
+
+
+def test_second_order_is_refused_clearly():
+    f = warpnn.jax_kernel(K.scale_square)
+    g = jax.grad(lambda x: f(x, 1.0)[0].sum())
+    with pytest.raises(NotImplementedError, match="reverse mode once"):
+        jax.grad(lambda x: g(x).sum())(jnp.ones(4))
