@@ -90,6 +90,9 @@ class PythonLauncher:
 
     def __init__(self):
         self._targets: dict[int, tuple[str, str]] = {}
+        # Executions of the handlers (not XLA's metadata queries), by "forward"/"adjoint": how the
+        # graph-capture check tells a CUDA-graph replay (no entry) from a call back into the handler.
+        self.handler_entries = {"forward": 0, "adjoint": 0}
         # ctypes callbacks must outlive every XLA executable that may call them: keep them forever.
         self._callbacks: list[Any] = []
         self._lock = threading.Lock()
@@ -121,7 +124,7 @@ class PythonLauncher:
         for platform in _PLATFORMS:
 
             def handler(call_frame, platform=platform):
-                return _handle(call_frame, sig, adjoint, platform)
+                return _handle(call_frame, sig, adjoint, platform, self.handler_entries)
 
             callback = _CALLBACK_TYPE(handler)
             self._callbacks.append(callback)
@@ -129,7 +132,7 @@ class PythonLauncher:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform=platform)
 
 
-def _handle(call_frame, sig: KernelSignature, adjoint: bool, platform: str):
+def _handle(call_frame, sig: KernelSignature, adjoint: bool, platform: str, entries: dict[str, int]):
     frame = call_frame.contents
     # XLA's first call asks for the handler's API version and traits through the metadata extension.
     extension = frame.extension_start
@@ -143,6 +146,7 @@ def _handle(call_frame, sig: KernelSignature, adjoint: bool, platform: str):
         return None
     try:
         with _HANDLER_LOCK:
+            entries["adjoint" if adjoint else "forward"] += 1
             _launch(frame, sig, adjoint, platform)
         return None
     except Exception as e:  # an exception must never unwind through XLA's C++ frames
