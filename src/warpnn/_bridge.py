@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
+from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX, load_kernel
 from ._signature import ArgSpec, KernelSignature, signature_of
 
 Dims = int | Sequence[int]
@@ -258,7 +258,7 @@ def _preload(kernel) -> None:
     else:
         devices = [wp.device_from_jax(d) for d in jax.local_devices(backend=backend)]
     for device in devices:
-        kernel.module.load(device)
+        load_kernel(kernel, device)
     _PRELOADED.add(key)
 
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import threading
 import traceback
 from typing import Any
 
 import jax
-import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
@@ -50,16 +50,17 @@ class _Buffer:
     __slots__ = ("data", "warp_dims", "batch_dims", "item_bytes")
 
     def __init__(self, xla_buffer, spec: ArgSpec):
-        dims = tuple(xla_buffer.dims[i] for i in range(xla_buffer.rank))
-        lead = len(dims) - spec.jax_ndim
+        rank = xla_buffer.rank
+        dims = xla_buffer.dims[:rank]  # one ctypes slice, not one access per dim
+        lead = rank - spec.jax_ndim
         self.data = xla_buffer.data or 0
-        self.batch_dims = dims[:lead]
-        self.warp_dims = dims[lead : lead + spec.warp_ndim]
-        self.item_bytes = int(np.prod(dims[lead:], dtype=np.int64)) * spec.dtype.itemsize
+        self.batch_dims = tuple(dims[:lead])
+        self.warp_dims = tuple(dims[lead : lead + spec.warp_ndim])
+        self.item_bytes = math.prod(dims[lead:]) * spec.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
-        return self.item_bytes * int(np.prod(self.batch_dims, dtype=np.int64))
+        return self.item_bytes * math.prod(self.batch_dims)
 
     def batch_offsets(self, batch_shape: tuple[int, ...]) -> list[int]:
         """Byte offset of each batch element; broadcast (size-1) batch dims get stride 0."""
@@ -83,6 +84,43 @@ def _array_desc(buf: _Buffer | None, spec: ArgSpec, offset: int):
 def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):
     ctype = spec.warp_type._type_
     return ctype(0) if adjoint_slot else ctype(attrs[SCALAR_ATTR_PREFIX + spec.name])
+
+
+class _LoadedKernel:
+    """A kernel's entry points on one device, plus launch bounds cached per launch dims."""
+
+    __slots__ = ("hooks", "block_dim", "_bounds")
+
+    def __init__(self, kernel, device):
+        # Warp's FFI convention: one thread per block on the CPU (cooperative blocks are far slower
+        # for plain kernels), 256 on CUDA.
+        block_dim = wc.resolve_block_dim(device, None)
+        module_exec = kernel.module.load(device, block_dim)
+        if module_exec is None:
+            raise RuntimeError(f"Warp could not build module '{kernel.module.name}' for {device}")
+        self.hooks = module_exec.get_kernel_hooks(kernel)
+        self.block_dim = module_exec.block_dim
+        self._bounds: dict[tuple[int, ...], Any] = {}
+
+    def bounds(self, kernel, dims: tuple[int, ...]):
+        bounds = self._bounds.get(dims)
+        if bounds is None:
+            if len(self._bounds) > 64:  # many distinct launch sizes: keep the cache bounded
+                self._bounds.clear()
+            bounds = self._bounds[dims] = wc.build_launch_bounds(dims, kernel, self.block_dim)
+        return bounds
+
+
+_LOADED: dict[tuple[int, Any], _LoadedKernel] = {}
+
+
+def load_kernel(kernel, device) -> _LoadedKernel:
+    """Load (once per device) the Warp module holding ``kernel``; also used at trace time to preload."""
+    key = (id(kernel), device.context if device.is_cuda else "cpu")
+    loaded = _LOADED.get(key)
+    if loaded is None:
+        loaded = _LOADED[key] = _LoadedKernel(kernel, device)
+    return loaded
 
 
 class PythonLauncher:
@@ -183,12 +221,9 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
         device = wp.get_cuda_device(ffi.get_device_ordinal_from_callframe(frame))
         stream = ffi.get_stream_from_callframe(frame)
 
-    module_exec = sig.kernel.module.load(device)
-    if module_exec is None:
-        raise RuntimeError(f"Warp could not build module '{sig.kernel.module.name}' for {device}")
-    hooks = module_exec.get_kernel_hooks(sig.kernel)
-    block_dim = module_exec.block_dim
-    bounds = wc.build_launch_bounds(tuple(int(d) for d in attrs[LAUNCH_DIMS_ATTR]), sig.kernel, block_dim)
+    loaded = load_kernel(sig.kernel, device)
+    hooks, block_dim = loaded.hooks, loaded.block_dim
+    bounds = loaded.bounds(sig.kernel, tuple(int(d) for d in attrs[LAUNCH_DIMS_ATTR]))
 
     core = wc.runtime().core
     for buf in zeroed:
@@ -208,7 +243,7 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
         slots += [(adj_outputs.get(s.name), s, True) for s in sig.outputs]
     slot_offsets = [buf.batch_offsets(batch_shape) if buf is not None else None for buf, _, _ in slots]
 
-    for b in range(int(np.prod(batch_shape, dtype=np.int64))):
+    for b in range(math.prod(batch_shape)):
         params = [bounds]
         for (buf, spec, is_adjoint), offs in zip(slots, slot_offsets):
             if spec.is_array:

@@ -7,6 +7,7 @@ parameters are inputs (arrays or scalars), the last ``num_outputs`` are output a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -92,23 +93,23 @@ class KernelSignature:
     def key(self) -> str:
         return self.kernel.key
 
-    @property
+    @functools.cached_property
     def array_inputs(self) -> tuple[ArgSpec, ...]:
         return tuple(a for a in self.inputs if a.is_array)
 
-    @property
+    @functools.cached_property
     def float_array_inputs(self) -> tuple[ArgSpec, ...]:
         return tuple(a for a in self.inputs if a.is_array and a.is_float)
 
-    @property
+    @functools.cached_property
     def float_outputs(self) -> tuple[ArgSpec, ...]:
         return tuple(a for a in self.outputs if a.is_float)
 
-    @property
+    @functools.cached_property
     def input_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.inputs)
 
-    @property
+    @functools.cached_property
     def output_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.outputs)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warp as wp
 from warp._src.context import _build_kernel_launch_bounds as build_launch_bounds
 from warp._src.context import invoke as invoke_cpu
+from warp._src.context import _resolve_launch_block_dim as resolve_block_dim
 from warp._src.context import invoke_cpu_blocks
 from warp._src.jax import xla_ffi
 from warp._src.types import array_t, matches_array_class, strides_from_shape, type_size_in_bytes, value_types
@@ -21,6 +22,7 @@ __all__ = [
     "invoke_cpu",
     "invoke_cpu_blocks",
     "matches_array_class",
+    "resolve_block_dim",
     "runtime",
     "strides_from_shape",
     "type_size_in_bytes",

@@ -1,0 +1,1 @@
+"""Benchmarks: run ``python -m benchmarks`` (see run.py)."""
