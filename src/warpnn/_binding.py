@@ -256,9 +256,15 @@ class Binding:
         if callable(rule):
             dims = rule(arrays)
             try:
+                if isinstance(dims, str):
+                    raise TypeError
                 return _normalize_dims(dims, what, self.signature)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"{e} (returned by the {what} function {rule!r})") from None
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"Kernel '{self.signature.key}': the {what} function {rule!r} must return 1 to 4 non-negative "
+                    f"ints (an int or a tuple), got {dims!r}. It receives {{name: array}} of the call's array "
+                    f"arguments {list(arrays)}."
+                ) from None
         return rule
 
 
