@@ -100,5 +100,5 @@ def force_dataset(num=16, n=12, seed=0):
     x0, edges, rest = spring_system(n, seed)
     xs = x0 + 0.15 * jnp.asarray(np.random.default_rng(seed + 1).standard_normal((num, n, 3)), jnp.float32)
     k = jnp.array([K_TRUE])
-    target = jax.vmap(lambda x: spring_forces_reference(x, edges, rest, k, 1.0) + external_force(x))(xs)
+    target = jax.jit(jax.vmap(lambda x: spring_forces_reference(x, edges, rest, k, 1.0) + external_force(x)))(xs)
     return xs, target, edges, rest
