@@ -72,6 +72,13 @@ def unit_square_mesh(device="cpu"):
     return wp.Mesh(points=wp.array(points, dtype=wp.vec3, device=device), indices=wp.array(faces, dtype=int, device=device))
 
 
+@wp.kernel
+def scale_by(x: wp.array(dtype=float), train: float, y: wp.array(dtype=float)):
+    """``y = train * x``; its scalar's name collides with ``nnx.Module.train``."""
+    i = wp.tid()
+    y[i] = train * x[i]
+
+
 def closest_point_distance_reference(points):
     closest = jnp.concatenate([jnp.clip(points[:, :2], 0.0, 1.0), jnp.zeros_like(points[:, 2:])], -1)
     return jnp.sum((points - closest) ** 2, -1)
