@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import warp as wp
 from jax.test_util import check_grads
 
 import warpnn
@@ -321,3 +322,34 @@ def test_second_order_is_refused_clearly():
     g = jax.grad(lambda x: f(x, 1.0)[0].sum())
     with pytest.raises(NotImplementedError, match="reverse mode once"):
         jax.grad(lambda x: g(x).sum())(jnp.ones(4))
+
+
+# ---------------------------------------------------------------------------------------------- residuals
+
+
+def test_write_only_kernels_keep_no_outputs_for_backward(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    forces = springs_fn()
+    assert all(warpnn.jax_kernel(k, num_outputs=n).signature.outputs_read == ()
+               for k, n in ((K.scale_square, 1), (K.spring_forces, 1), (K.two_outputs, 2), (K.affine_2d, 1)))
+    # the residuals of a vjp are exactly the array inputs; the (N, 3) forces are not kept
+    _, vjp = jax.vjp(lambda p, k, r: forces(p, springs, k, r), pos, stiffness, rest)
+    kept = sorted(leaf.shape for leaf in jax.tree.leaves(vjp))
+    assert kept == sorted([pos.shape, springs.shape, stiffness.shape, rest.shape])
+
+
+@wp.kernel
+def square_in_place(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    # reads its own output: Warp's adjoint cannot differentiate this
+    i = wp.tid()
+    y[i] = x[i]
+    y[i] = y[i] * x[i] + 1.0
+
+
+def test_kernel_reading_its_output_runs_forward_and_refuses_reverse_mode(key):
+    f = warpnn.jax_kernel(square_in_place)
+    assert f.signature.outputs_read == ("y",)
+    x = jax.random.normal(key, (N,))
+    assert_close(f(x)[0], x * x + 1.0, 1e-6, 1e-6)
+    with pytest.raises(TypeError, match=r"reads its output array\(s\) \['y'\].*out\[i\] \+= value"):
+        jax.grad(lambda x: f(x)[0].sum())(x)

@@ -28,6 +28,14 @@ SECOND_ORDER_MESSAGE = (
     "warpnn.jax_kernel, or use a pure-JAX implementation for that part."
 )
 
+OUTPUT_READ_MESSAGE = (
+    "Kernel '{key}' reads its output array(s) {names}, so it has no correct reverse mode: Warp's adjoint "
+    "replays the kernel without its stores, sees the outputs' final values instead of the ones the kernel "
+    "read, and writes the read's adjoint into the incoming cotangent. Write outputs only, with "
+    "`out[i] = value`, `out[i] += value` or wp.atomic_add(out, i, value), accumulating in a local variable "
+    "first if needed (the forward pass alone works as it is)."
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class _CallPlan:
@@ -304,15 +312,21 @@ def _differentiable_call(plan: _CallPlan, *arrays) -> list[jax.Array]:
 
 def _differentiable_call_fwd(plan, *arrays):
     outputs = _first_order_only(plan, False, *arrays)
-    return outputs, (arrays, outputs)
+    # Warp's adjoint never touches primal outputs of a kernel that only writes them (see
+    # KernelSignature.outputs_read), so float outputs are not kept: their cotangents stand in, unread.
+    # Integer outputs have no cotangent and are kept to fill their slot.
+    kept = tuple(None if spec.is_float else out for spec, out in zip(plan.sig.outputs, outputs))
+    return outputs, (arrays, kept)
 
 
 def _differentiable_call_bwd(plan, residuals, cotangents):
-    arrays, outputs = residuals
+    arrays, kept = residuals
     sig = plan.sig
+    if sig.outputs_read:
+        raise TypeError(OUTPUT_READ_MESSAGE.format(key=sig.key, names=list(sig.outputs_read)))
     # Integer outputs have float0 cotangents; Warp gets no adjoint buffer for them.
     float_cts = [ct for ct, spec in zip(cotangents, sig.outputs) if spec.is_float]
-    # Warp's adjoint replays the kernel with the post-forward output arrays (as wp.Tape does).
+    outputs = [ct if out is None else out for ct, out in zip(cotangents, kept)]
     adjoints = iter(_first_order_only(plan, True, *arrays, *outputs, *float_cts) if sig.float_array_inputs else [])
     return tuple(next(adjoints) if spec.is_float else None for spec in sig.array_inputs)
 

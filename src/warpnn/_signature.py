@@ -6,6 +6,7 @@ parameters are inputs (arrays or scalars), the last ``num_outputs`` are output a
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 from typing import Any
@@ -106,12 +107,56 @@ class KernelSignature:
         return tuple(a for a in self.outputs if a.is_float)
 
     @functools.cached_property
+    def outputs_read(self) -> tuple[str, ...]:
+        """Output arrays the kernel reads (not only writes), found conservatively in its source.
+
+        Warp's adjoint replays the forward without its stores and atomics and accumulates the adjoint of
+        every read into the array's adjoint, so a kernel that reads an output has no correct reverse
+        mode through Warp (its replay sees the post-forward values, and the read's adjoint would be
+        written into the cotangent). Kernels that only write outputs never touch the primal output
+        arrays in the adjoint, so the forward's outputs need not be kept for the backward pass.
+        """
+        try:
+            return tuple(n for n in self.output_names if _reads_any(self.kernel.adj.tree, {n}))
+        except Exception:  # noqa: BLE001 - no source tree to inspect: assume every output is read
+            return self.output_names
+
+    @functools.cached_property
     def input_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.inputs)
 
     @functools.cached_property
     def output_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.outputs)
+
+
+_WRITE_ONLY_CALLS = {"atomic_add", "atomic_sub"}  # their adjoints never read the array
+
+
+def _reads_any(tree: ast.AST, names: set[str]) -> bool:
+    """Conservatively, whether the kernel body reads any array in ``names``.
+
+    Writes are ``a[i] = v``, ``a[i] += v`` / ``-=`` (atomic in Warp) and statement calls of
+    ``wp.atomic_add(a, ...)`` / ``wp.atomic_sub``; any other mention of the name counts as a read.
+    """
+    write_only: set[int] = set()
+
+    def mark(target):
+        if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+            write_only.add(id(target.value))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                mark(target)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.Add, ast.Sub)):
+            mark(node.target)
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and node.value.args:
+            func = node.value.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in _WRITE_ONLY_CALLS and isinstance(node.value.args[0], ast.Name):
+                write_only.add(id(node.value.args[0]))
+    return any(isinstance(n, ast.Name) and n.id in names and id(n) not in write_only for n in ast.walk(tree))
 
 
 _SIGNATURES: dict[tuple[int, int], KernelSignature] = {}
