@@ -1,0 +1,106 @@
+"""Model layers at scale: spring forces (cloth) and Chamfer distance, warpnn vs pure JAX of the same math.
+
+    python -m benchmarks.models            # full size on a GPU (4.2M particles / 16.8M springs, 100k points)
+    python -m benchmarks.models --small    # sizes a 2-core CPU finishes in a minute
+
+Achieved bandwidth is an *effective* number: bytes a spring must move at least (its two indices, three
+parameters, two endpoint positions and velocities read, two 3-vector atomic adds) divided by the time,
+reported beside the device's measured copy bandwidth (read + write of a 1 GiB array).
+"""
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from warpnn.kernels import cloth, pointcloud
+
+from .common import environment, fmt_ratio, fmt_us, time_call
+
+# per spring: 2 int32 indices + 3 float params + 4 vec3 reads (x_i, x_j, v_i, v_j) + 2 vec3 atomic adds
+SPRING_BYTES = 2 * 4 + 3 * 4 + 4 * 12 + 2 * 12
+
+
+def grid_springs(n: int) -> jax.Array:
+    """Structural and shear springs of an n x n particle grid: about 4 n^2 springs."""
+    idx = jnp.arange(n * n, dtype=jnp.int32).reshape(n, n)
+    pairs = [
+        (idx[:, :-1], idx[:, 1:]),  # horizontal
+        (idx[:-1, :], idx[1:, :]),  # vertical
+        (idx[:-1, :-1], idx[1:, 1:]),  # diagonal
+        (idx[:-1, 1:], idx[1:, :-1]),  # anti-diagonal
+    ]
+    return jnp.concatenate([jnp.stack([a.ravel(), b.ravel()], 1) for a, b in pairs])
+
+
+def copy_bandwidth() -> float:
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
+    t = time_call(jax.jit(lambda x: x * 1.0000001), x, reps=10)
+    return 2 * x.nbytes / t
+
+
+def bench_springs(n: int) -> list[dict]:
+    springs = grid_springs(n)
+    m = springs.shape[0]
+    key = jax.random.PRNGKey(0)
+    gx, gy = jnp.meshgrid(jnp.arange(n, dtype=jnp.float32), jnp.arange(n, dtype=jnp.float32), indexing="ij")
+    x = jnp.stack([gx.ravel(), jnp.zeros(n * n), gy.ravel()], 1) * 0.01
+    x = x + 1e-3 * jax.random.normal(key, x.shape)
+    v = 1e-2 * jax.random.normal(jax.random.PRNGKey(1), x.shape)
+    k, d, r = jnp.full((m,), 100.0), jnp.full((m,), 0.1), jnp.full((m,), 0.01)
+    w = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+    rows = []
+    for name, fn in (("warpnn", cloth.spring_forces), ("pure JAX", cloth.spring_forces_reference)):
+        fwd = jax.jit(lambda x, v, k, d, r, fn=fn: fn(x, v, springs, k, d, r))
+        grad = jax.jit(jax.grad(lambda x, v, k, d, r, fn=fn: jnp.vdot(w, fn(x, v, springs, k, d, r)), argnums=(0, 1, 2, 3, 4)))
+        for case, f in (("springs fwd", fwd), ("springs fwd+bwd", grad)):
+            t = time_call(f, x, v, k, d, r, reps=20)
+            rows.append({"case": case, "impl": name, "seconds": t, "size": f"{n * n} particles / {m} springs",
+                         "effective_GBps": SPRING_BYTES * m / t / 1e9 if case == "springs fwd" else None})
+    return rows
+
+
+def bench_chamfer(n: int) -> list[dict]:
+    x = jax.random.normal(jax.random.PRNGKey(3), (n, 3))
+    y = jax.random.normal(jax.random.PRNGKey(4), (n, 3)) * 1.1 + 0.05
+    rows = []
+    for name, fn in (("warpnn", pointcloud.chamfer), ("pure JAX", pointcloud.chamfer_reference)):
+        for case, f in (("chamfer fwd", jax.jit(fn)), ("chamfer fwd+bwd", jax.jit(jax.grad(fn, argnums=(0, 1))))):
+            t = time_call(f, x, y, reps=5, min_time=0.0)
+            rows.append({"case": case, "impl": name, "seconds": t, "size": f"{n} + {n} points"})
+    return rows
+
+
+def table(rows: list[dict], copy_bw: float) -> str:
+    by = {(r["case"], r["impl"]): r for r in rows}
+    lines = [
+        f"| case | size | warpnn µs | pure JAX µs | speed-up over pure JAX | warpnn effective GB/s (copy: {copy_bw / 1e9:.0f} GB/s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        ours, ref = by[(case, "warpnn")], by[(case, "pure JAX")]
+        gbps = ours.get("effective_GBps")
+        lines.append(
+            f"| {case} | {ours['size']} | {fmt_us(ours['seconds'])} | {fmt_us(ref['seconds'])} | "
+            f"{fmt_ratio(ref['seconds'], ours['seconds'])} | "
+            + (f"{gbps:.0f} ({100 * gbps * 1e9 / copy_bw:.0f}% of copy)" if gbps else "—") + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true", help="CPU-sized problems")
+    args = parser.parse_args(argv)
+    small = args.small or jax.default_backend() == "cpu"
+    n_grid, n_points = (256, 5000) if small else (2048, 100_000)
+    copy_bw = copy_bandwidth()
+    rows = bench_springs(n_grid) + bench_chamfer(n_points)
+    print(table(rows, copy_bw), file=sys.stderr)
+    print(json.dumps({"environment": environment(), "copy_bandwidth_Bps": copy_bw, "models": rows}))
+
+
+if __name__ == "__main__":
+    main()
