@@ -48,8 +48,8 @@ def test_call_matches_reference_forward_and_grad(system):
 
     warp_fn = lambda x, k, rest: call_springs(SPRINGS, x, k, edges, rest)  # noqa: E731
     ref_fn = lambda x, k, rest: spring_forces_reference(x, edges, jax.lax.stop_gradient(rest), k, SCALE)  # noqa: E731
-    got = jax.grad(lambda *a: loss(warp_fn, *a), argnums=(0, 1, 2))(x, K, rest)
-    want = jax.grad(lambda *a: loss(ref_fn, *a), argnums=(0, 1, 2))(x, K, rest)
+    got = jax.jit(jax.grad(lambda *a: loss(warp_fn, *a), argnums=(0, 1, 2)))(x, K, rest)
+    want = jax.jit(jax.grad(lambda *a: loss(ref_fn, *a), argnums=(0, 1, 2)))(x, K, rest)
     for g, w in zip(got, want):
         assert_close(g, w, rtol=1e-4, atol=1e-5)
     assert not np.any(got[2]), "buffers are state: no gradient may reach them"
@@ -130,19 +130,22 @@ def test_vmap_remat_scan(system):
     ref_force = lambda x, k: spring_forces_reference(x, edges, rest, k, SCALE)  # noqa: E731
 
     # vmap over configurations, the params shared (unbatched).
-    assert_close(jax.vmap(warp_force, (0, None))(xs, K), jax.vmap(ref_force, (0, None))(xs, K))
+    assert_close(jax.jit(jax.vmap(warp_force, (0, None)))(xs, K), jax.jit(jax.vmap(ref_force, (0, None)))(xs, K))
 
     # remat around the layer, inside a scan rollout, differentiated w.r.t. the start state and the param.
     def loss(force, x0, k):
         return jnp.sum(rollout(jax.checkpoint(lambda x: force(x, k)), x0) ** 2)
 
-    got = jax.grad(lambda x0, k: loss(warp_force, x0, k), argnums=(0, 1))(x, K)
-    want = jax.grad(lambda x0, k: loss(ref_force, x0, k), argnums=(0, 1))(x, K)
-    for g, w in zip(got, want):
-        assert_close(g, w, rtol=1e-4, atol=1e-5)
-    # vmap of the rollout's gradient (per-example gradients w.r.t. the shared stiffness).
-    per_example = jax.vmap(jax.grad(lambda x0, k: loss(warp_force, x0, k), argnums=1), (0, None))(xs, K)
-    assert_close(per_example, jax.vmap(jax.grad(lambda x0, k: loss(ref_force, x0, k), argnums=1), (0, None))(xs, K), rtol=1e-4)
+    def grads(force):
+        grad = jax.grad(lambda x0, k: loss(force, x0, k), argnums=(0, 1))
+        # the plain gradient, and per-example gradients (vmap of grad) w.r.t. the shared stiffness
+        return jax.jit(lambda: (grad(x, K), jax.vmap(grad, (0, None))(xs, K)[1]))()
+
+    (got_dx, got_dk), got_per_example = grads(warp_force)
+    (want_dx, want_dk), want_per_example = grads(ref_force)
+    assert_close(got_dx, want_dx, rtol=1e-4, atol=1e-5)
+    assert_close(got_dk, want_dk, rtol=1e-4)
+    assert_close(got_per_example, want_per_example, rtol=1e-4)
 
 
 def test_mesh_layer_owns_the_mesh_and_sees_refits():

@@ -325,7 +325,9 @@ def bind(
     array_names = [s.name for s in sig.inputs if s.is_array]
     for name in inputs:
         if name not in array_names:
-            kind = "a scalar argument (scalars are static: pass them to the layer's static=)" if name in sig.input_names else "not an input argument"
+            kind = "not an input argument"
+            if name in sig.input_names:
+                kind = "a scalar argument (scalars are static: pass them to the layer's static=)"
             raise ValueError(
                 f"warpnn.bind(inputs=...): '{name}' is {kind} of kernel '{sig.key}'; call inputs are arrays among "
                 f"{array_names}."
