@@ -353,3 +353,47 @@ def test_kernel_reading_its_output_runs_forward_and_refuses_reverse_mode(key):
     assert_close(f(x)[0], x * x + 1.0, 1e-6, 1e-6)
     with pytest.raises(TypeError, match=r"reads its output array\(s\) \['y'\].*out\[i\] \+= value"):
         jax.grad(lambda x: f(x)[0].sum())(x)
+
+
+@wp.kernel
+def store_if_positive(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    if x[i] > 0.0:
+        y[i] = x[i]
+
+
+@wp.kernel
+def store_shifted(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i + 1] = x[i]
+
+
+@wp.kernel
+def store_after_early_return(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    if i > 3:
+        return
+    y[i] = x[i]
+
+
+@pytest.mark.parametrize(
+    "kernel, num_outputs, written",
+    [
+        (K.scale_square, 1, ("y",)),
+        (K.affine_2d, 1, ("out",)),
+        (K.two_outputs, 2, ("y",)),  # `total` accumulates: it must be zeroed
+        (K.spring_forces, 1, ()),
+        (store_if_positive, 1, ()),
+        (store_shifted, 1, ()),
+        (store_after_early_return, 1, ()),
+    ],
+)
+def test_outputs_fully_written_analysis(kernel, num_outputs, written):
+    assert warpnn.jax_kernel(kernel, num_outputs=num_outputs).signature.outputs_fully_written == written
+
+
+def test_conditionally_written_output_is_zero_where_not_written():
+    f = warpnn.jax_kernel(store_if_positive)
+    x = jnp.array([1.0, -2.0, 3.0, -4.0])
+    for _ in range(2):  # the second call reuses buffers that held the first call's values
+        assert_close(f(x)[0], jnp.maximum(x, 0.0), 0, 0)
