@@ -96,6 +96,9 @@ def test_static_misuse_is_refused():
     layer = warpnn.nnx.WarpLayer(SPRINGS, **fields, static={"scale": 1.0})
     with pytest.raises(TypeError, match=r"static value 'scale' .* is a traced value"):
         nnx.jit(lambda layer, s: (setattr(layer, "scale", s), layer(x[0]))[1])(layer, jnp.float32(2.0))
+    layer.k = jnp.ones(1)
+    with pytest.raises(TypeError, match=r"WarpLayer.k is a bare \(1,\) array.*layer.k = nnx.Param\(array\)"):
+        layer(x[0])
     with pytest.raises(ValueError, match=r"argument 'train' would hide nnx.Module.train"):
         warpnn.nnx.WarpLayer(warpnn.bind(scale_by, inputs=["x"]), static={"train": 2.0})
 

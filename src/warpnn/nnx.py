@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from ._binding import Binding
@@ -68,6 +69,12 @@ class WarpLayer(nnx.Module):
         fields: dict[str, dict[str, Any]] = {"params": {}, "buffers": {}, "static": {}}
         for name in self.binding.field_names:
             value = getattr(self, name)
+            if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, jax.core.Tracer):
+                raise TypeError(
+                    f"{type(self).__name__}.{name} is a bare {np.shape(value)} array; NNX needs to know whether it "
+                    f"is trained. Assign layer.{name} = nnx.Param(array) to train it, or "
+                    f"layer.{name} = warpnn.nnx.Buffer(array) to keep it fixed."
+                )
             role = "params" if isinstance(value, nnx.Param) else "buffers" if isinstance(value, nnx.Variable) else "static"
             fields[role][name] = value[...] if role != "static" else value
         return self.binding(inputs, fields["params"], fields["buffers"], fields["static"])
