@@ -143,17 +143,18 @@ class Binding:
 
     def _check_names(self, fields: dict[str, dict[str, Any]]) -> None:
         sig, key = self.signature, self.signature.key
-        listing = self.describe_arguments()
         seen: dict[str, str] = {name: "a call input" for name in self.inputs}
         for role, values in fields.items():
             for name in values:
                 if not isinstance(name, str) or name not in sig.input_names:
                     where = "an output (outputs are returned, not bound)" if name in sig.output_names else "not an input"
-                    raise ValueError(f"{role}={{'{name}': ...}}: '{name}' is {where} of kernel '{key}'.\n{listing}")
+                    raise ValueError(
+                        f"{role}={{'{name}': ...}}: '{name}' is {where} of kernel '{key}'.\n{self.describe_arguments()}"
+                    )
                 if name in seen:
                     raise ValueError(
                         f"Kernel '{key}' argument '{name}' is bound twice: as {seen[name]} and in {role}=. "
-                        f"Bind each argument once.\n{listing}"
+                        f"Bind each argument once.\n{self.describe_arguments()}"
                     )
                 seen[name] = f"{role}="
                 self._check_role(name, role)
@@ -162,7 +163,7 @@ class Binding:
             raise ValueError(
                 f"Kernel '{key}' arguments {unbound} are not bound. Every input argument is a call input "
                 "(warpnn.bind(..., inputs=[...])), a param (trainable array), a buffer (non-trainable array) or a "
-                f"static value (scalar argument).\n{listing}"
+                f"static value (scalar argument).\n{self.describe_arguments()}"
             )
 
     def _check_role(self, name: str, role: str) -> None:
