@@ -78,6 +78,31 @@ def train_loop(
     return state, losses, steps_per_s
 
 
+def environment() -> dict[str, Any]:
+    """Where and with what a run ran: JAX backend and device, and package versions (for metrics.json)."""
+    import platform
+    from importlib import metadata
+
+    versions = {"python": platform.python_version()}
+    for package in ("jax", "jaxlib", "warp-lang", "flax", "equinox", "optax", "numpy"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    device = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device": f"{device.platform}:{device.device_kind}", "versions": versions}
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (runs headless, e.g. in CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_loss(path: str | os.PathLike, losses: list[float], title: str) -> None:
     """Save a log-scale loss curve as PNG (atomically)."""
     import matplotlib
