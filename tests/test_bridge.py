@@ -397,3 +397,27 @@ def test_conditionally_written_output_is_zero_where_not_written():
     x = jnp.array([1.0, -2.0, 3.0, -4.0])
     for _ in range(2):  # the second call reuses buffers that held the first call's values
         assert_close(f(x)[0], jnp.maximum(x, 0.0), 0, 0)
+
+
+def test_error_string_launch_dims():
+    f = warpnn.jax_kernel(K.scale_square)
+    with pytest.raises(TypeError, match=r"launch_dims must be an int or a tuple of ints, got the string 'x'"):
+        f(jnp.ones(4), 1.0, launch_dims="x")
+
+
+def test_dtype_error_spells_the_warp_type(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    with pytest.raises(TypeError, match=r"wp\.array\(dtype=wp\.int32, ndim=2\)"):
+        warpnn.jax_kernel(K.spring_forces)(pos, springs.astype(jnp.float32), stiffness, rest, 1.0)
+
+
+@wp.kernel
+def echo_id(x: wp.array(dtype=float), ident: wp.uint64, hi: wp.array(dtype=wp.uint32)):
+    i = wp.tid()
+    hi[i] = wp.uint32(ident >> wp.uint64(32))
+
+
+def test_uint64_scalars_above_int64_range_round_trip():
+    ident = (1 << 63) + (123 << 32)  # Warp object ids are pointers; any 64-bit pattern must survive
+    (hi,) = warpnn.jax_kernel(echo_id)(jnp.ones(2), ident)
+    assert np.asarray(hi).tolist() == [(ident >> 32) & 0xFFFFFFFF] * 2

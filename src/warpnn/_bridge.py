@@ -50,7 +50,11 @@ class _CallPlan:
         attrs = {LAUNCH_DIMS_ATTR: np.asarray(self.launch_dims, dtype=np.int64), **LAUNCHER.extra_attrs(self.sig)}
         for name, value in self.scalars:
             # int64 / float64 attributes hold every Warp scalar exactly; the handler casts to the kernel's type.
-            attrs[SCALAR_ATTR_PREFIX + name] = np.int64(value) if isinstance(value, (int, np.integer)) else np.float64(value)
+            if isinstance(value, (int, np.integer)):
+                # uint64 values (Warp object ids) keep their bits in an int64 attribute; ctypes wraps them back
+                attrs[SCALAR_ATTR_PREFIX + name] = np.int64(value - (1 << 64) if value >= (1 << 63) else value)
+            else:
+                attrs[SCALAR_ATTR_PREFIX + name] = np.float64(value)
         return attrs
 
 
@@ -163,7 +167,7 @@ def _check_array(sig: KernelSignature, spec: ArgSpec, value) -> jax.Array:
         raise TypeError(f"{where} expects a {spec.describe()}, got {type(value).__name__} {value!r:.60}.")
     if np.dtype(value.dtype) != spec.dtype:
         raise TypeError(
-            f"{where} expects dtype {spec.dtype.name} (Warp {spec.warp_type}), got {np.dtype(value.dtype).name}. "
+            f"{where} expects dtype {spec.dtype.name} ({spec.warp_type_name}), got {np.dtype(value.dtype).name}. "
             f"Fix: pass {spec.name}.astype(jnp.{spec.dtype.name})"
             + (" and enable 64-bit JAX (jax.config.update('jax_enable_x64', True))." if spec.dtype.itemsize == 8 else ".")
         )
@@ -210,6 +214,11 @@ def _check_scalar(sig: KernelSignature, spec: ArgSpec, value):
 def _normalize_dims(dims, what: str, sig: KernelSignature) -> tuple[int, ...]:
     if isinstance(dims, (int, np.integer)):
         dims = (int(dims),)
+    if isinstance(dims, str):
+        raise TypeError(
+            f"Kernel '{sig.key}': {what} must be an int or a tuple of ints, got the string {dims!r}. (Layers of "
+            "warpnn.equinox / nnx / linen accept an argument name there; jax_kernel needs the numbers.)"
+        )
     try:
         dims = tuple(int(d) for d in dims)
     except TypeError:

@@ -47,6 +47,13 @@ class ArgSpec:
         """The Warp element type of an array argument (``wp.vec3``, ``wp.float32``, ...)."""
         return self.warp_type.dtype
 
+    @property
+    def warp_type_name(self) -> str:
+        """How the argument reads in the kernel signature, e.g. ``wp.array(dtype=wp.vec3, ndim=1)``."""
+        if not self.is_array:
+            return f"wp.{self.warp_type.__name__}"
+        return f"wp.array(dtype=wp.{self.warp_dtype.__name__}, ndim={self.warp_ndim})"
+
     def describe(self) -> str:
         if not self.is_array:
             return f"static {self.dtype.name} scalar"
