@@ -195,21 +195,25 @@ class Cloth(eqx.Module):
             raise ValueError(f"Cloth: springs must have shape (num_springs, 2), got {self.springs.shape}.")
         if self.rest_length.shape != (s,):
             raise ValueError(f"Cloth: rest_length must have shape ({s},) (one per spring), got {self.rest_length.shape}.")
-        if self.material is None:
-            want = (s,)
-            hint = "per-spring parameters (material=None)"
-        else:
-            if self.material.shape != (s,):
-                raise ValueError(f"Cloth: material must have shape ({s},) (one index per spring), got {self.material.shape}.")
-            want = self.stiffness.shape
-            hint = "one entry per material"
         for name in ("stiffness", "damping"):
-            shape = getattr(self, name).shape
-            if shape != want or len(shape) != 1:
-                raise ValueError(
-                    f"Cloth: {name} must be 1-D with {hint}: expected shape {want}, got {shape}. "
-                    "Pass material=<(s,) int indices> with (m,) tables, or material=None with (s,) arrays."
-                )
+            if getattr(self, name).ndim != 1:
+                raise ValueError(f"Cloth: {name} must be 1-D, got shape {getattr(self, name).shape}.")
+        if self.material is None:
+            for name in ("stiffness", "damping"):
+                if getattr(self, name).shape != (s,):
+                    raise ValueError(
+                        f"Cloth: with material=None, {name} is per spring and must have shape ({s},), got "
+                        f"{getattr(self, name).shape}. For per-material tables pass material=<(s,) int indices>."
+                    )
+            return
+        if self.material.shape != (s,):
+            raise ValueError(f"Cloth: material must have shape ({s},) (one index per spring), got {self.material.shape}.")
+        m = self.stiffness.shape[0]
+        if self.damping.shape != (m,):
+            raise ValueError(
+                f"Cloth: stiffness and damping tables must have one entry per material, got shapes "
+                f"{self.stiffness.shape} and {self.damping.shape}."
+            )
 
     @classmethod
     def from_grid(cls, grid: ClothGrid, stiffness, damping, material=None, **scene) -> Cloth:
@@ -224,6 +228,16 @@ class Cloth(eqx.Module):
         """
         if material is None:
             material = grid.kind
+        if material is not False:
+            material = np.asarray(material)
+            m = np.shape(stiffness)[0] if np.ndim(stiffness) == 1 else None
+            if m is not None and material.size and not 0 <= material.min() <= material.max() < m:
+                # JAX clamps out-of-range gathers silently; catch the mismatch here, where indices are concrete.
+                raise ValueError(
+                    f"Cloth.from_grid: material indices must be in [0, {m}) for {m}-entry stiffness/damping "
+                    f"tables, got range [{material.min()}, {material.max()}]. Pass one table entry per material "
+                    "(by default the spring kinds: stretch, shear, bend)."
+                )
         return cls(
             stiffness=jnp.asarray(stiffness, jnp.float32),
             damping=jnp.asarray(damping, jnp.float32),
