@@ -15,16 +15,22 @@ This module implements those targets with a Python (ctypes) handler, the same me
 * the adjoint is a direct launch of Warp's generated backward kernel, declared command-buffer
   compatible like the forward, so XLA can capture both into CUDA graphs.
 
-A later native (C++) handler replaces ``PythonLauncher`` behind the same ``targets()`` interface.
+``_native_launch.NativeLauncher`` serves the same interface with handlers compiled from C, so no
+Python runs per call. ``LAUNCHER`` (what the bridge calls) picks one on first use: the native one
+when its library loads or builds, else this Python one with a warning; ``$WARPNN_LAUNCHER`` =
+``python`` | ``native`` | ``auto`` (default) forces the choice, and ``use_launcher`` switches it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import math
+import os
 import threading
 import traceback
+import warnings
 from typing import Any
 
 import jax
@@ -271,4 +277,98 @@ def _run(kernel, hooks, params, adjoint, device, stream, block_dim, core) -> Non
         raise RuntimeError(f"CUDA launch of {'adjoint' if adjoint else 'forward'} kernel '{kernel.key}' failed")
 
 
-LAUNCHER = PythonLauncher()
+LAUNCHER_ENV = "WARPNN_LAUNCHER"
+LAUNCHER_CHOICES = ("auto", "native", "python")
+
+
+class _SelectedLauncher:
+    """The launcher the bridge calls. Resolves the choice on first use, so ``import warpnn`` never compiles.
+
+    Everything else (``num_registered``, ``handler_entries``, ...) is forwarded to the launcher in use.
+    """
+
+    def __init__(self):
+        self._impl = None
+        self._python: PythonLauncher | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def impl(self):
+        if self._impl is None:
+            with self._lock:
+                if self._impl is None:
+                    self._impl = self._make(os.environ.get(LAUNCHER_ENV, "auto"))
+        return self._impl
+
+    @property
+    def name(self) -> str:
+        return "native" if type(self.impl).__name__ == "NativeLauncher" else "python"
+
+    def targets(self, sig: KernelSignature) -> tuple[str, str]:
+        return self.impl.targets(sig)
+
+    def extra_attrs(self, sig: KernelSignature) -> dict[str, Any]:
+        return self.impl.extra_attrs(sig)
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return getattr(self.impl, attr)
+
+    def _make(self, choice: str):
+        choice = (choice or "auto").strip().lower()
+        if choice not in LAUNCHER_CHOICES:
+            raise ValueError(f"{LAUNCHER_ENV}={choice!r}: expected one of {', '.join(LAUNCHER_CHOICES)}")
+        if choice == "python":
+            return self._python_launcher()
+        from . import _native_launch
+
+        try:
+            return _native_launch.get_launcher()
+        except Exception as e:
+            if choice == "native":
+                raise RuntimeError(f"warpnn: {LAUNCHER_ENV}=native, but the native launcher is unavailable: {e}") from e
+            warnings.warn(
+                f"warpnn: the native launcher is unavailable, using the Python launcher, which re-enters Python "
+                f"on every kernel execution (tens of µs per call). Reason: {e}. "
+                f"Set {LAUNCHER_ENV}=python to choose it explicitly and silence this warning.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return self._python_launcher()
+
+    def _python_launcher(self) -> PythonLauncher:
+        if self._python is None:
+            self._python = PythonLauncher()
+        return self._python
+
+    def select(self, choice: str) -> str:
+        """Switch to ``choice`` (``python`` | ``native`` | ``auto``); returns the previous launcher's name.
+
+        Clears JAX's compilation caches: executables already compiled call the previous launcher's targets.
+        """
+        previous = self.name if self._impl is not None else None
+        new = self._make(choice)
+        with self._lock:
+            self._impl = new
+        jax.clear_caches()
+        return previous
+
+
+LAUNCHER = _SelectedLauncher()
+
+
+@contextlib.contextmanager
+def use_launcher(choice: str):
+    """Run a block with the ``python`` or ``native`` launcher (tests, benchmarks); restores the previous one."""
+    previous = LAUNCHER.name if LAUNCHER._impl is not None else None
+    LAUNCHER.select(choice)
+    try:
+        yield LAUNCHER.impl
+    finally:
+        if previous is None:
+            with LAUNCHER._lock:
+                LAUNCHER._impl = None
+            jax.clear_caches()
+        else:
+            LAUNCHER.select(previous)

@@ -1,0 +1,460 @@
+"""The native launcher: XLA FFI handlers in C that launch Warp kernels with no Python on the hot path.
+
+``PythonLauncher`` (``_launch.py``) re-enters Python, under the GIL and a lock, on every execution of every
+Warp call that XLA does not replay from a CUDA graph (~60-110 µs per call on an H200, and always on the
+CPU). ``NativeLauncher`` serves the same two FFI targets with handlers compiled from
+``_native/warpnn_ffi.c``; Python only runs at trace time, to
+
+* lay out Warp's argument struct with ctypes exactly as Warp's ``invoke`` builds it (one field per kernel
+  parameter in signature order: ``array_t`` for arrays, the scalar's ctype for scalars) and register that
+  layout, the buffer each parameter comes from, and the launch-bounds layout with the native library,
+  which returns an integer *kernel id* (sent with every call as the ``kernel_id`` attribute);
+* load the Warp module on each device and register its entry points with the library (per CUDA device
+  ordinal: context, CUfunction handles, shared memory, block dim; on the CPU: the compiled functions).
+
+The library reaches Warp's C entry points (``wp_cuda_launch_kernel``, ``wp_memset_device``, ...) through
+function pointers handed over here, so it needs neither CUDA headers nor a CUDA link, and the same build
+serves CPU-only and GPU processes.
+
+Where the library comes from, first match wins:
+
+1. ``$WARPNN_NATIVE_LIB``: an explicit path (an error if it does not load or is stale);
+2. ``warpnn/_native/_warpnn_ffi*.so``: built by ``pip install .`` (``setup.py``), or by
+   ``python -m warpnn._native_launch --build-into src/warpnn/_native`` for a source checkout;
+3. a per-user cache, ``$WARPNN_CACHE_DIR`` or ``~/.cache/warpnn``, compiled there on first use with the C
+   compiler in ``$CC`` (else ``cc``, ``gcc``, ``clang``) against ``jax.ffi.include_dir()``.
+
+A library is used only if it was built from this exact source (its embedded hash matches), so a stale
+build can never be paired with a newer Python side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform as _platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import warp as wp
+
+from . import _warp_compat as wc
+from ._launch import SCALAR_ATTR_PREFIX
+from ._signature import ArgSpec, KernelSignature
+
+ABI_VERSION = 1  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
+NATIVE_DIR = Path(__file__).resolve().with_name("_native")
+SOURCE = NATIVE_DIR / "warpnn_ffi.c"
+LIB_ENV = "WARPNN_NATIVE_LIB"
+CACHE_ENV = "WARPNN_CACHE_DIR"
+FORWARD_TARGET = "warpnn_native_forward"
+ADJOINT_TARGET = "warpnn_native_adjoint"
+KERNEL_ID_ATTR = "kernel_id"
+
+# Columns of the parameter table (must match the P_* enum in warpnn_ffi.c).
+_P_NCOLS = 11
+_KIND_INT, _KIND_UINT, _KIND_FLOAT, _KIND_HALF, _KIND_BOOL, _KIND_BF16 = range(6)
+
+# Warp's array_t as the C side mirrors it: (field, offset); checked against warp's ctypes definition.
+_ARRAY_T_LAYOUT = {"data": 0, "grad": 8, "shape": 16, "strides": 32, "ndim": 48, "flags": 50}
+_ARRAY_T_SIZE = 56
+
+_RESOLVER_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32)
+
+
+class NativeUnavailable(RuntimeError):
+    """The native library could not be found, built, or loaded; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Building and loading the library
+
+
+def source_hash() -> str:
+    """Identity of the C source; every build embeds it, and only a matching build is loaded."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def _find_compiler() -> str | None:
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def compile_library(output: Path | str, *, compiler: str | None = None, include_dir: str | None = None) -> Path:
+    """Compile ``warpnn_ffi.c`` into the shared library ``output`` (atomically replaced). Raises NativeUnavailable."""
+    output = Path(output)
+    compiler = compiler or _find_compiler()
+    if compiler is None:
+        raise NativeUnavailable("no C compiler found (set $CC, or install cc/gcc/clang)")
+    include_dir = include_dir or jax.ffi.include_dir()
+    if not (Path(include_dir) / "xla" / "ffi" / "api" / "c_api.h").is_file():
+        raise NativeUnavailable(f"XLA FFI headers not found under {include_dir} (jax.ffi.include_dir())")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a temporary name and rename: concurrent processes (pytest-xdist, several ranks) may build
+    # the same cache entry at once, and a reader must never see a half-written library.
+    fd, tmp = tempfile.mkstemp(prefix=output.name + ".", suffix=".tmp", dir=output.parent)
+    os.close(fd)
+    cmd = [
+        compiler, "-std=c11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
+        f"-I{include_dir}", f'-DWARPNN_SOURCE_HASH="{source_hash()}"',
+        str(SOURCE), "-o", tmp, "-lpthread",
+    ]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise NativeUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+        os.replace(tmp, output)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"compiling {SOURCE.name} failed: {e}") from e
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return output
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "warpnn")
+    return Path(root) / "native" / f"{source_hash()}-{sys.platform}-{_platform.machine()}"
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """Load and validate one library file. Raises NativeUnavailable."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.warpnn_abi_version.restype = ctypes.c_int32
+        lib.warpnn_source_hash.restype = ctypes.c_char_p
+        abi, built_from = lib.warpnn_abi_version(), lib.warpnn_source_hash().decode()
+    except (OSError, AttributeError) as e:
+        raise NativeUnavailable(f"{path} does not load: {e}") from e
+    if abi != ABI_VERSION or built_from != source_hash():
+        raise NativeUnavailable(
+            f"{path} is stale: built from source {built_from} (ABI {abi}), this warpnn is {source_hash()} (ABI "
+            f"{ABI_VERSION}); rebuild it"
+        )
+    return lib
+
+
+def _prebuilt() -> list[Path]:
+    return sorted(NATIVE_DIR.glob("_warpnn_ffi*.so")) + sorted(NATIVE_DIR.glob("libwarpnn_ffi*.so"))
+
+
+_LIBRARY: ctypes.CDLL | None = None
+_LIBRARY_PATH: Path | None = None
+_LOAD_LOCK = threading.Lock()
+
+
+def load_library() -> ctypes.CDLL:
+    """The native library for this process (loaded once), building it into the cache if needed."""
+    global _LIBRARY, _LIBRARY_PATH
+    with _LOAD_LOCK:
+        if _LIBRARY is not None:
+            return _LIBRARY
+        explicit = os.environ.get(LIB_ENV)
+        if explicit:
+            path = Path(explicit)
+            lib = _open(path)
+        else:
+            reasons, lib, path = [], None, None
+            for candidate in _prebuilt():
+                try:
+                    lib, path = _open(candidate), candidate
+                    break
+                except NativeUnavailable as e:
+                    reasons.append(str(e))
+            if lib is None:
+                path = cache_dir() / "libwarpnn_ffi.so"
+                try:
+                    if not path.exists():
+                        compile_library(path)
+                    lib = _open(path)
+                except NativeUnavailable as e:
+                    raise NativeUnavailable("; ".join([*reasons, str(e)])) from None
+        _declare(lib)
+        if lib.warpnn_array_t_size() != ctypes.sizeof(wc.array_t):
+            raise NativeUnavailable("the native library and this Warp disagree on the size of array_t")
+        _LIBRARY, _LIBRARY_PATH = lib, path
+        return lib
+
+
+def library_path() -> Path | None:
+    """Where the loaded native library came from (None until loaded)."""
+    return _LIBRARY_PATH
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c = ctypes
+    lib.warpnn_array_t_size.restype = c.c_int32
+    lib.warpnn_init.argtypes = [c.c_void_p] * 5
+    lib.warpnn_init.restype = None
+    lib.warpnn_handler_entries.argtypes = [c.c_int32]
+    lib.warpnn_handler_entries.restype = c.c_int64
+    lib.warpnn_register_kernel.argtypes = [
+        c.c_char_p, c.c_int32, c.c_int64, c.c_int32, c.POINTER(c.c_int64), c.POINTER(c.c_char_p),
+        c.c_int32, c.c_int32, c.c_int32, c.c_int32, c.c_int32, c.c_int32, c.c_int32, c.c_int32,
+    ]
+    lib.warpnn_register_kernel.restype = c.c_int64
+    lib.warpnn_set_cpu_entry.argtypes = [c.c_int64, c.c_void_p, c.c_void_p, c.c_int32]
+    lib.warpnn_set_cpu_entry.restype = c.c_int32
+    lib.warpnn_set_cuda_entry.argtypes = [c.c_int64, c.c_int32, c.c_void_p, c.c_void_p, c.c_void_p] + [c.c_int32] * 5
+    lib.warpnn_set_cuda_entry.restype = c.c_int32
+
+
+def _check_array_layout() -> None:
+    layout = {name: getattr(wc.array_t, name).offset for name in _ARRAY_T_LAYOUT}
+    if layout != _ARRAY_T_LAYOUT or ctypes.sizeof(wc.array_t) != _ARRAY_T_SIZE:
+        raise NativeUnavailable(f"Warp's array_t layout changed ({layout}, size {ctypes.sizeof(wc.array_t)})")
+
+
+def _address(fn) -> int:
+    """The address of a ctypes function (pointer), 0 for None."""
+    return 0 if fn is None else (ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel descriptors
+
+
+def _scalar_kind(spec: ArgSpec) -> int:
+    if spec.warp_type is wp.float16:
+        return _KIND_HALF
+    if spec.warp_type is wp.bfloat16:
+        return _KIND_BF16
+    return {"f": _KIND_FLOAT, "i": _KIND_INT, "u": _KIND_UINT, "b": _KIND_BOOL}[spec.dtype.kind]
+
+
+def describe(sig: KernelSignature) -> dict[str, Any]:
+    """The registration arguments for ``sig``: Warp's argument-struct layout and each parameter's buffers.
+
+    Needs the kernel's module hashed (``kernel.adj.kernel_dim``), i.e. loaded on some device.
+    """
+    kernel = sig.kernel
+    params = (*sig.inputs, *sig.outputs)
+    # The struct Warp's `invoke` builds: one field per parameter, array_t or the scalar's ctype.
+    fields = [(s.name, wc.array_t if s.is_array else s.warp_type._type_) for s in params]
+    args_struct = type("ArgsStruct", (ctypes.Structure,), {"_fields_": fields})
+
+    n_in, n_out = len(sig.array_inputs), len(sig.outputs)
+    array_index = {s.name: k for k, s in enumerate(sig.array_inputs)}
+    float_in_index = {s.name: m for m, s in enumerate(sig.float_array_inputs)}
+    float_out_index = {s.name: f for f, s in enumerate(sig.float_outputs)}
+    rows, attr_names = [], []
+    for i, s in enumerate(params):
+        offset = getattr(args_struct, s.name).offset
+        if not s.is_array:
+            ctype = s.warp_type._type_
+            rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype)])
+            attr_names.append((SCALAR_ATTR_PREFIX + s.name).encode())
+            continue
+        # Buffer sources: k+1 = operand k, -(k+1) = result k (see the buffer order in warpnn_ffi.c).
+        if i >= len(sig.inputs):  # output j
+            j = i - len(sig.inputs)
+            fwd, adj = -(j + 1), n_in + j + 1
+            grad = n_in + n_out + float_out_index[s.name] + 1 if s.is_float else 0
+        else:
+            fwd = adj = array_index[s.name] + 1
+            grad = -(float_in_index[s.name] + 1) if s.is_float else 0
+        inner = int(np.prod(s.inner_shape, dtype=np.int64))
+        if s.dtype.itemsize * inner != wc.type_size_in_bytes(s.warp_dtype):
+            raise NativeUnavailable(f"kernel '{sig.key}', argument '{s.name}': element size mismatch")
+        rows.append([1, offset, s.warp_ndim, s.jax_ndim, s.dtype.itemsize, inner, fwd, adj, grad, 0, 0])
+        attr_names.append(None)
+
+    kernel_dim = kernel.adj.kernel_dim
+    bounds_type = type(wc.build_launch_bounds((1,) * kernel_dim, kernel))
+    try:  # exact wp.tid() limit (None: the kernel does not use wp.tid()), as warp's launch validates it
+        tid_limit = kernel.module._get_kernel_tid_extent_limit(kernel)
+    except Exception:  # noqa: BLE001 - private Warp API: fall back to the conservative candidate
+        tid_limit = kernel.adj.tid_extent_limit_candidate
+    return {
+        "name": sig.key,
+        "kernel_dim": kernel_dim,
+        "tid_limit": -1 if tid_limit is None else int(tid_limit),
+        "rows": rows,
+        "attr_names": attr_names,
+        "args_size": ctypes.sizeof(args_struct),
+        "bounds_size": ctypes.sizeof(bounds_type),
+        "bounds_size_offset": bounds_type.size.offset,
+        "bounds_coord_mult_offset": bounds_type.coord_mult.offset,
+        "num_args": (n_in, n_in + n_out + len(sig.float_outputs)),
+        "num_rets": (n_out, len(sig.float_array_inputs)),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# The launcher
+
+
+class NativeLauncher:
+    """Serves warpnn's forward/adjoint FFI targets with the native handlers (one instance per process)."""
+
+    name = "native"
+
+    def __init__(self, lib: ctypes.CDLL | None = None):
+        _check_array_layout()
+        self._lib = lib or load_library()
+        self._lock = threading.RLock()
+        self._ids: dict[int, int] = {}  # id(signature) -> kernel id
+        self._sigs: dict[int, KernelSignature] = {}  # kernel id -> signature (kept alive: ids are never reused)
+        # (kernel id, device) -> the ModuleExec whose entry points the library holds. Keeping it referenced
+        # keeps Warp from unloading that code while a compiled XLA executable may still launch it.
+        self._execs: dict[tuple[int, str], Any] = {}
+        resolver = _RESOLVER_TYPE(self._resolve)
+        self._callbacks = [resolver]  # must outlive every executable; never grows per call
+        core = wc.runtime().core
+        self._lib.warpnn_init(
+            _address(core.wp_cuda_launch_kernel), _address(core.wp_memset_device),
+            _address(core.wp_get_error_string), _address(core.wp_take_cpu_block_error), _address(resolver),
+        )
+        for platform, fwd, adj in (
+            ("cpu", self._lib.warpnn_cpu_forward, self._lib.warpnn_cpu_adjoint),
+            ("CUDA", self._lib.warpnn_cuda_forward, self._lib.warpnn_cuda_adjoint),
+        ):
+            jax.ffi.register_ffi_target(FORWARD_TARGET, jax.ffi.pycapsule(fwd), platform=platform)
+            jax.ffi.register_ffi_target(ADJOINT_TARGET, jax.ffi.pycapsule(adj), platform=platform)
+
+    # -- the launcher interface used by _bridge
+
+    @property
+    def num_registered(self) -> int:
+        """Number of kernel signatures registered with the library (each exactly once)."""
+        return len(self._ids)
+
+    @property
+    def handler_entries(self) -> dict[str, int]:
+        """Executions of the native handlers (not XLA's metadata queries), as PythonLauncher counts them."""
+        return {"forward": self._lib.warpnn_handler_entries(0), "adjoint": self._lib.warpnn_handler_entries(1)}
+
+    def targets(self, sig: KernelSignature) -> tuple[str, str]:
+        self._kernel_id(sig)
+        return FORWARD_TARGET, ADJOINT_TARGET
+
+    def extra_attrs(self, sig: KernelSignature) -> dict[str, Any]:
+        """The ``kernel_id`` attribute; also (re)registers the entry points of the devices this trace targets."""
+        kid = self._kernel_id(sig)
+        with self._lock:
+            for device in _trace_devices():
+                self._set_entry(kid, sig, device)
+        return {KERNEL_ID_ATTR: np.int64(kid)}
+
+    # -- registration
+
+    def _kernel_id(self, sig: KernelSignature) -> int:
+        kid = self._ids.get(id(sig))
+        if kid is not None:
+            return kid
+        with self._lock:
+            if id(sig) in self._ids:
+                return self._ids[id(sig)]
+            devices = _trace_devices()
+            for device in devices:  # hashes the module (kernel_dim, grid_stride) and loads it
+                self._load(sig, device)
+            d = describe(sig)
+            table = np.ascontiguousarray(np.asarray(d["rows"], dtype=np.int64).reshape(-1, _P_NCOLS))
+            names = (ctypes.c_char_p * max(1, len(d["attr_names"])))(*d["attr_names"])
+            kid = self._lib.warpnn_register_kernel(
+                d["name"].encode(), d["kernel_dim"], d["tid_limit"], len(d["rows"]),
+                table.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), names, d["args_size"], d["bounds_size"],
+                d["bounds_size_offset"], d["bounds_coord_mult_offset"],
+                d["num_args"][0], d["num_rets"][0], d["num_args"][1], d["num_rets"][1],  # forward, adjoint
+            )
+            if kid < 0:
+                raise RuntimeError(f"warpnn: the native launcher refused the descriptor of kernel '{sig.key}'")
+            self._sigs[kid] = sig
+            for device in devices:
+                self._set_entry(kid, sig, device)
+            self._ids[id(sig)] = kid
+            return kid
+
+    @staticmethod
+    def _load(sig: KernelSignature, device):
+        # The same module variant as PythonLauncher (_launch.load_kernel): block_dim 1 on the CPU, 256 on CUDA.
+        module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, None))
+        if module_exec is None:
+            raise RuntimeError(f"Warp could not build module '{sig.kernel.module.name}' for {device}")
+        return module_exec
+
+    def _set_entry(self, kid: int, sig: KernelSignature, device) -> None:
+        """Register (or, after Warp reloaded the module, re-register) the entry points of ``sig`` on ``device``."""
+        module_exec = self._load(sig, device)
+        key = (kid, device.alias)
+        if self._execs.get(key) is module_exec:
+            return
+        hooks = module_exec.get_kernel_hooks(sig.kernel)
+        if device.is_cpu:
+            rc = self._lib.warpnn_set_cpu_entry(
+                kid, _address(hooks.forward), _address(hooks.backward), module_exec.block_dim
+            )
+        else:
+            rc = self._lib.warpnn_set_cuda_entry(
+                kid, device.ordinal, device.context, hooks.forward, hooks.backward,
+                hooks.forward_smem_bytes, hooks.backward_smem_bytes if hooks.backward else 0,
+                module_exec.block_dim, int(bool(sig.kernel.grid_stride)), hooks.cluster_dim,
+            )
+        if rc != 0:
+            raise RuntimeError(f"warpnn: registering kernel '{sig.key}' on {device} with the native launcher failed ({rc})")
+        self._execs[key] = module_exec
+
+    def _resolve(self, kid: int, platform: int, ordinal: int) -> int:
+        """Called by a handler (once) for a device without entry points: load the module there. 0 = done."""
+        try:
+            with self._lock:
+                sig = self._sigs[kid]
+                device = wp.get_cuda_device(ordinal) if platform else wp.get_device("cpu")
+                self._set_entry(kid, sig, device)
+            return 0
+        except BaseException:  # noqa: BLE001 - must not unwind into C; the handler reports an FFI error
+            traceback.print_exc()
+            return 1
+
+
+def _trace_devices() -> list:
+    """The Warp devices of the backend JAX compiles for by default (those the bridge preloads)."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return [wp.get_device("cpu")]
+    return [wp.device_from_jax(d) for d in jax.local_devices(backend=backend)]
+
+
+_INSTANCE: NativeLauncher | None = None
+_INSTANCE_LOCK = threading.Lock()
+
+
+def get_launcher() -> NativeLauncher:
+    """The process-wide native launcher (kernel ids live in the one loaded library). Raises NativeUnavailable."""
+    global _INSTANCE
+    with _INSTANCE_LOCK:
+        if _INSTANCE is None:
+            _INSTANCE = NativeLauncher()
+    return _INSTANCE
+
+
+def _main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m warpnn._native_launch",
+        description="Build (or locate) warpnn's native XLA FFI launcher library.",
+    )
+    parser.add_argument("--build-into", metavar="DIR", help="compile into DIR/libwarpnn_ffi.so (e.g. src/warpnn/_native)")
+    args = parser.parse_args(argv)
+    if args.build_into:
+        print(compile_library(Path(args.build_into) / "libwarpnn_ffi.so"))
+    else:
+        load_library()
+        print(library_path())
+
+
+if __name__ == "__main__":
+    _main()
