@@ -105,23 +105,28 @@ class MeshObstacle(eqx.Module):
 
     Attributes:
         mesh: the ``wp.Mesh`` (static: compared by identity, kept alive by the module).
-        vertices: (v, 3) float32 NumPy copy of the vertices, for plotting and the pure-JAX reference.
-        faces: (f, 3) int32 NumPy triangles.
         stiffness: penalty stiffness (force per unit depth).
         margin: contact thickness: particles within ``margin`` of the surface are pushed out too.
     """
 
     mesh: wp.Mesh = eqx.field(static=True)
-    vertices: np.ndarray = eqx.field(static=True)
-    faces: np.ndarray = eqx.field(static=True)
     stiffness: float = eqx.field(static=True)
     margin: float = eqx.field(static=True, default=0.0)
 
     @classmethod
     def from_arrays(cls, vertices, faces, *, stiffness: float, margin: float = 0.0) -> MeshObstacle:
         """Build the ``wp.Mesh`` (on JAX's device) from ``vertices`` (v, 3) and ``faces`` (f, 3)."""
-        vertices, faces = np.asarray(vertices, np.float32), np.asarray(faces, np.int32)
-        return cls(make_mesh(vertices, faces), vertices, faces, float(stiffness), float(margin))
+        return cls(make_mesh(vertices, faces), float(stiffness), float(margin))
+
+    @property
+    def vertices(self) -> np.ndarray:
+        """(v, 3) float32 vertices (a host copy), e.g. for plots or the pure-JAX reference."""
+        return self.mesh.points.numpy()
+
+    @property
+    def faces(self) -> np.ndarray:
+        """(f, 3) int32 triangles (a host copy)."""
+        return self.mesh.indices.numpy().reshape(-1, 3)
 
     def signed_distance(self, points: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(n, 3) float32 points -> (sdf (n,), normal (n, 3)); see :func:`warpnn.kernels.mesh.signed_distance`."""
