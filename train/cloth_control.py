@@ -302,7 +302,9 @@ def plot_fold(path, task: Task, x0: np.ndarray, xs: np.ndarray, xs_untrained: np
     ax.set_ylim(-0.05, 0.55)
     ax.set_zlim(0.0, 0.2)
     ax.set_box_aspect((0.6, 0.6, 0.2))  # equal scale on all axes
-    ax.view_init(elev=25, azim=-55)
+    for axis in (ax.xaxis, ax.yaxis, ax.zaxis):
+        axis.set_major_locator(plt.MaxNLocator(3))
+    ax.view_init(elev=30, azim=-55)
     ax.set_title(f"fold at t = {c.frames * c.dt:.2f} s")
     ax.legend(fontsize=7, loc="upper left")
 
