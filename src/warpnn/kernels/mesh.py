@@ -27,6 +27,7 @@ __all__ = [
     "mesh_penalty",
     "mesh_penalty_reference",
     "signed_distance",
+    "signed_distance_kernel",
     "signed_distance_reference",
     "winding_number",
 ]
@@ -65,6 +66,12 @@ def _signed_distance_kernel(
 
 
 _signed_distance = jax_kernel(_signed_distance_kernel, num_outputs=2)
+
+signed_distance_kernel = _signed_distance_kernel
+"""The Warp kernel behind :func:`signed_distance`, for layers: ``(mesh: wp.uint64, points: vec3 array,
+max_dist: float) -> (sdf: float array, normal: vec3 array)``. Bind it with
+``warpnn.bind(signed_distance_kernel, inputs=["points"], num_outputs=2)`` and give the layer
+``static={"mesh": mesh, "max_dist": ...}``."""
 
 
 def make_mesh(vertices, faces) -> wp.Mesh:
