@@ -63,7 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=d.lr, help="Adam peak learning rate (log-parameters, cosine decay)")
     g.add_argument("--backend", choices=["warp", "jax"], default=d.backend,
                    help="simulate with the Warp kernels (default) or their pure-JAX reference")
-    parser.set_defaults(steps=None)
 
 
 def config_from_args(args: argparse.Namespace) -> SysIdConfig:
