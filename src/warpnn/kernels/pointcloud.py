@@ -179,9 +179,10 @@ def _nearest_kernel(
     best = float(3.0e38)
     best_t = int(-1)
 
-    # 1. Rings of grid cells at Chebyshev distance s = 0, 1, ... around the query's cell. After ring s
-    #    every point within (s * cell_size - one fine cell, for rounding) has been seen, so a candidate
-    #    that close is exact. Near queries, the common case, stop here after a few dozen points.
+    # 1. Rings of grid cells at Chebyshev distance s = 0, 1, ... around the query's cell. After ring s every
+    #    point within s * cell_size has been seen (less two fine cells of slack: one for the clamp of points
+    #    into the cube, one for float rounding), so a candidate that close is exact. Near queries, the
+    #    common case, stop here after a few dozen points.
     confirmed = bool(False)
     s = int(0)
     while s <= max_shells and not confirmed:
@@ -199,7 +200,7 @@ def _nearest_kernel(
                             if d2 < best:
                                 best = d2
                                 best_t = t
-        reach = float(s) * cell_size - frame[3]
+        reach = float(s) * cell_size - 2.0 * frame[3]
         if reach > 0.0 and best <= reach * reach:
             confirmed = True
         s += 1
