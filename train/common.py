@@ -71,7 +71,7 @@ def train_loop(
             t_start = time.perf_counter()
         if i % log_every == 0 or i == num_steps - 1:
             losses.append(float(loss))
-            bar.set_postfix(loss=f"{losses[-1]:.4g}")
+            bar.set_postfix(loss=f"{losses[-1]:.4g}", refresh=False)  # redraws follow mininterval
     jax.block_until_ready(state)
     elapsed = time.perf_counter() - t_start if t_start is not None else 0.0
     steps_per_s = (num_steps - 1) / elapsed if num_steps > 1 and elapsed > 0 else float("nan")
