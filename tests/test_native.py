@@ -566,3 +566,37 @@ def test_each_gpu_gets_its_own_entry_points(key):
             (y,) = jax.jit(lambda x: f(x, 1.5))(xd)
             assert y.devices() == {d}
             assert_close(y, 1.5 * x * x, 1e-6, 1e-6)
+
+
+@pytest.mark.gpu
+@needs_native
+def test_native_calls_replay_from_cuda_graphs_inside_scan(tmp_path):
+    """Declared command-buffer compatible: under graph-capture flags XLA replays fwd and adjoint without calling back."""
+    out = _run_script(tmp_path, """
+        import warpnn
+        warpnn.enable_cuda_graph_capture()
+        import jax, jax.numpy as jnp, numpy as np, warp as wp
+        from warpnn import _launch
+        from tests import kernels_for_tests as K
+        wp.config.quiet = True
+        f = warpnn.jax_kernel(K.scale_square)
+        def scan(step):
+            return lambda x: jax.lax.scan(lambda c, _: (step(c), None), x, None, length=50)[0].sum()
+        warp = jax.jit(jax.value_and_grad(scan(lambda c: f(c, 0.9)[0])))
+        ref = jax.jit(jax.value_and_grad(scan(lambda c: 0.9 * c * c)))
+        x = jnp.linspace(0.1, 0.9, 4096, dtype=jnp.float32)
+        for _ in range(3):
+            got = warp(x)
+        before = sum(_launch.LAUNCHER.handler_entries.values())
+        for _ in range(20):
+            got = warp(x)
+        jax.block_until_ready(got)
+        per_launch = (sum(_launch.LAUNCHER.handler_entries.values()) - before) / (20 * 100)
+        want = ref(x)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+        print(_launch.LAUNCHER.name, per_launch)
+    """, {_launch.LAUNCHER_ENV: "native"}, drop=("XLA_FLAGS",))
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, per_launch = out.stdout.split()[-2:]
+    assert name == "native" and float(per_launch) < 0.1, out.stdout
