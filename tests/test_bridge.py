@@ -421,3 +421,28 @@ def test_uint64_scalars_above_int64_range_round_trip():
     ident = (1 << 63) + (123 << 32)  # Warp object ids are pointers; any 64-bit pattern must survive
     (hi,) = warpnn.jax_kernel(echo_id)(jnp.ones(2), ident)
     assert np.asarray(hi).tolist() == [(ident >> 32) & 0xFFFFFFFF] * 2
+
+
+def test_fully_written_output_is_still_zeroed_beyond_the_launch():
+    f = warpnn.jax_kernel(K.scale_square)
+    x = jnp.arange(1.0, 5.0)
+    for _ in range(2):  # launch over 2 of 4 elements: the other two must read 0, not a stale buffer
+        assert_close(f(x, 1.0, launch_dims=2, output_dims=4)[0], jnp.array([1.0, 4.0, 0.0, 0.0]), 0, 0)
+
+
+@pytest.mark.parametrize("launcher", ["python", "native"])
+def test_kernel_survives_warp_rebuilding_its_module(launcher):
+    # Defining a kernel in a module Warp has loaded makes Warp rebuild that module; entry points taken
+    # from the old build must stay valid (the launchers keep the old build loaded).
+    with _launch.use_launcher(launcher):
+        f = warpnn.jax_kernel(K.scale_square)
+        x = jnp.arange(4.0)
+        jax.jit(lambda x: f(x, 2.0)[0])(x)
+
+        @wp.kernel(module=K.scale_square.module)  # joins (and so rebuilds) the module of the first kernel
+        def late_kernel(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+            i = wp.tid()
+            y[i] = x[i] + 1.0
+
+        assert_close(warpnn.jax_kernel(late_kernel)(x)[0], x + 1.0, 0, 0)
+        assert_close(jax.jit(lambda x: f(x, 3.0)[0])(x), 3.0 * x * x, 0, 0)

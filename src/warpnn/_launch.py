@@ -95,7 +95,7 @@ def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):
 class _LoadedKernel:
     """A kernel's entry points on one device, plus launch bounds cached per launch dims."""
 
-    __slots__ = ("hooks", "block_dim", "_bounds")
+    __slots__ = ("module_exec", "hooks", "block_dim", "_bounds")
 
     def __init__(self, kernel, device):
         # Warp's FFI convention: one thread per block on the CPU (cooperative blocks are far slower
@@ -104,6 +104,9 @@ class _LoadedKernel:
         module_exec = kernel.module.load(device, block_dim)
         if module_exec is None:
             raise RuntimeError(f"Warp could not build module '{kernel.module.name}' for {device}")
+        # Keep the module loaded: if Warp rebuilds it (a kernel added to the same Python module later),
+        # dropping this reference would unload the code `hooks` points into.
+        self.module_exec = module_exec
         self.hooks = module_exec.get_kernel_hooks(kernel)
         self.block_dim = module_exec.block_dim
         self._bounds: dict[tuple[int, ...], Any] = {}
@@ -212,7 +215,9 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
     inputs = {s.name: _Buffer(args[i].contents, s) for i, s in enumerate(sig.array_inputs)}
     if not adjoint:
         outputs = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(sig.outputs)}
-        zeroed = list(outputs.values())
+        launch_dims = tuple(int(d) for d in attrs[LAUNCH_DIMS_ATTR])
+        # An output each thread fully writes over its own shape needs no zeroing (see outputs_fully_written).
+        zeroed = [b for n, b in outputs.items() if not (n in sig.outputs_fully_written and b.warp_dims == launch_dims)]
     else:
         outputs = {s.name: _Buffer(args[n_in + i].contents, s) for i, s in enumerate(sig.outputs)}
         base = n_in + len(sig.outputs)

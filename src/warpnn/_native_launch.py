@@ -62,7 +62,7 @@ ADJOINT_TARGET = "warpnn_native_adjoint"
 KERNEL_ID_ATTR = "kernel_id"
 
 # Columns of the parameter table (must match the P_* enum in warpnn_ffi.c).
-_P_NCOLS = 11
+_P_NCOLS = 12
 _KIND_INT, _KIND_UINT, _KIND_FLOAT, _KIND_HALF, _KIND_BOOL, _KIND_BF16 = range(6)
 
 # Warp's array_t as the C side mirrors it: (field, offset); checked against warp's ctypes definition.
@@ -254,7 +254,7 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         offset = getattr(args_struct, s.name).offset
         if not s.is_array:
             ctype = s.warp_type._type_
-            rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype)])
+            rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype), 0])
             attr_names.append((SCALAR_ATTR_PREFIX + s.name).encode())
             continue
         # Buffer sources: k+1 = operand k, -(k+1) = result k (see the buffer order in warpnn_ffi.c).
@@ -268,7 +268,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         inner = int(np.prod(s.inner_shape, dtype=np.int64))
         if s.dtype.itemsize * inner != wc.type_size_in_bytes(s.warp_dtype):
             raise NativeUnavailable(f"kernel '{sig.key}', argument '{s.name}': element size mismatch")
-        rows.append([1, offset, s.warp_ndim, s.jax_ndim, s.dtype.itemsize, inner, fwd, adj, grad, 0, 0])
+        fully_written = int(s.name in sig.outputs_fully_written)
+        rows.append([1, offset, s.warp_ndim, s.jax_ndim, s.dtype.itemsize, inner, fwd, adj, grad, 0, 0, fully_written])
         attr_names.append(None)
 
     kernel_dim = kernel.adj.kernel_dim

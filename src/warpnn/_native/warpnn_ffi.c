@@ -78,6 +78,8 @@ enum {
     P_GRAD_SRC,      /* buffer of the adjoint (gradient) in an adjoint call; 0: null array_t / zero scalar */
     P_SCALAR_KIND,   /* scalars: 0 signed int, 1 unsigned int, 2 float, 3 float16, 4 bool, 5 bfloat16 */
     P_FIELD_SIZE,    /* scalars: size of the field in the struct */
+    P_FULLY_WRITTEN, /* outputs: every thread stores its own wp.tid() element, so a launch over the output's
+                        own Warp shape writes it all and needs no zeroing first */
     P_NCOLS
 };
 
@@ -740,6 +742,12 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         size_t nbytes = (size_t)p[P_SCALAR_BYTES];
         for (int64_t k = 0; k < buf->rank; ++k) nbytes *= (size_t)buf->dims[k];
         if (!nbytes || !buf->data) continue;
+        if (mode == 0 && p[P_FULLY_WRITTEN] && p[P_WARP_NDIM] == (int64_t)dims_attr->size) {
+            const int64_t* launch = (const int64_t*)dims_attr->data;
+            int64_t lead = buf->rank - p[P_JAX_NDIM], same = 1;
+            for (int64_t k = 0; k < p[P_WARP_NDIM]; ++k) same &= buf->dims[lead + k] == launch[k];
+            if (same) continue;
+        }
         if (cuda) {
             memset_device_fn memset_device = atomic_load(&g_memset_device);
             if (!memset_device || !memset_device(entry->context, buf->data, 0, nbytes, stream)) {
