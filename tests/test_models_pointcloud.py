@@ -43,8 +43,12 @@ def test_nearest_neighbors_match_brute_force(case):
     ref_idx, ref_d2 = jax.jit(pc.nearest_neighbors_reference)(queries, points)
     assert idx.dtype == jnp.int32 and idx.shape == (queries.shape[0],)
     assert_close(d2, ref_d2, rtol=1e-5, atol=1e-6)
-    # Random clouds have no ties, so the indices agree exactly, not just the distances.
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    # Random clouds have no exact ties, so the indices agree too, except where two candidates are equally
+    # near up to float rounding (possible in far-apart clouds on another backend); there either is right.
+    differ = np.asarray(idx != ref_idx)
+    assert differ.mean() <= 0.01, differ.sum()
+    at_idx = jnp.sum((queries - points[idx]) ** 2, axis=-1)
+    assert_close(at_idx[differ], ref_d2[differ], rtol=1e-6)
 
 
 @pytest.mark.parametrize("case", ["overlapping", "far_apart"])
@@ -138,9 +142,12 @@ def test_errors_name_the_argument_and_the_fix():
         pc.nearest_neighbors(x, x.astype(jnp.int32))
     with pytest.raises(ValueError, match=r"'radius' must be a positive Python float"):
         pc.radius_features(x, x, -1.0)
-    with jax.enable_x64(True):
-        with pytest.raises(TypeError, match=r"same dtype.*float32 and float64"):
-            chamfer(x, x.astype(jnp.float64))
+
+
+def test_mixed_dtypes_are_refused(x64):
+    x = _cloud(0, 10)
+    with pytest.raises(TypeError, match=r"'x' and 'y' must have the same dtype, got float32 and float64.*astype"):
+        chamfer(x, x.astype(jnp.float64))
 
 
 def test_samplers_and_deformer():
