@@ -446,3 +446,18 @@ def test_kernel_survives_warp_rebuilding_its_module(launcher):
 
         assert_close(warpnn.jax_kernel(late_kernel)(x)[0], x + 1.0, 0, 0)
         assert_close(jax.jit(lambda x: f(x, 3.0)[0])(x), 3.0 * x * x, 0, 0)
+
+
+@wp.kernel(enable_backward=False)
+def copy_without_adjoint(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = x[i]
+
+
+def test_kernel_without_adjoint_runs_forward_and_refuses_grad():
+    f = warpnn.jax_kernel(copy_without_adjoint)
+    x = jnp.arange(3.0)
+    assert_close(f(x)[0], x, 0, 0)
+    assert_close(jax.grad(lambda x: f(jax.lax.stop_gradient(x))[0].sum() + x.sum())(x), jnp.ones(3), 0, 0)
+    with pytest.raises(TypeError, match=r"compiled without an adjoint \(enable_backward=False"):
+        jax.grad(lambda x: f(x)[0].sum())(x)

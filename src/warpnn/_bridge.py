@@ -333,6 +333,12 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     sig = plan.sig
     if sig.outputs_read:
         raise TypeError(OUTPUT_READ_MESSAGE.format(key=sig.key, names=list(sig.outputs_read)))
+    if not sig.has_adjoint and sig.float_array_inputs:
+        raise TypeError(
+            f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "
+            "module), so it cannot be differentiated. Remove enable_backward=False, or keep its inputs out of "
+            "the gradient with jax.lax.stop_gradient if you only need its forward pass."
+        )
     # Integer outputs have float0 cotangents; Warp gets no adjoint buffer for them.
     float_cts = [ct for ct, spec in zip(cotangents, sig.outputs) if spec.is_float]
     outputs = [ct if out is None else out for ct, out in zip(cotangents, kept)]

@@ -113,6 +113,18 @@ class KernelSignature:
     def float_outputs(self) -> tuple[ArgSpec, ...]:
         return tuple(a for a in self.outputs if a.is_float)
 
+    @property
+    def has_adjoint(self) -> bool:
+        """Whether Warp generates this kernel's adjoint (``enable_backward`` of the kernel, else its module).
+
+        A kernel without one still runs forward (integer-only kernels such as neighbour searches often opt
+        out to compile faster); only differentiating it is an error.
+        """
+        option = self.kernel.options.get("enable_backward")
+        if option is None:
+            option = self.kernel.module.options.get("enable_backward", True)
+        return bool(option)
+
     @functools.cached_property
     def outputs_read(self) -> tuple[str, ...]:
         """Output arrays the kernel reads (not only writes), found conservatively in its source.
@@ -242,11 +254,6 @@ def signature_of(kernel: Any, num_outputs: int) -> KernelSignature:
                 f"outputs must be arrays. With num_outputs={num_outputs} the outputs are "
                 f"{[o.name for o in outputs]}; lower num_outputs or make '{out.name}' a wp.array."
             )
-    if not kernel.module.options.get("enable_backward", True):
-        raise ValueError(
-            f"Kernel '{kernel.key}' was compiled without adjoints (module option enable_backward=False), "
-            "so warpnn cannot differentiate it. Remove the option or set wp.config.enable_backward = True."
-        )
     sig = KernelSignature(kernel, inputs, outputs)
     _SIGNATURES[cache_key] = sig
     return sig
