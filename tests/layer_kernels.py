@@ -65,8 +65,9 @@ def closest_point_distance(
         dist2[i] = wp.length_sq(p - c)
 
 
-def unit_square_mesh(device="cpu"):
-    """The square [0, 1]^2 in the z = 0 plane, as a two-triangle ``wp.Mesh``."""
+def unit_square_mesh(device=None):
+    """The square [0, 1]^2 in the z = 0 plane, as a two-triangle ``wp.Mesh`` (default: on JAX's device)."""
+    device = device or warpnn.jax_warp_device()
     points = np.array([[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 1, 0]], np.float32)
     faces = np.array([0, 1, 2, 0, 2, 3], np.int32)
     return wp.Mesh(points=wp.array(points, dtype=wp.vec3, device=device), indices=wp.array(faces, dtype=int, device=device))

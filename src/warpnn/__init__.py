@@ -9,6 +9,7 @@ from ._bridge import jax_kernel as jax_kernel
 from ._binding import Binding as Binding
 from ._binding import bind as bind
 from ._cuda_graphs import enable_cuda_graph_capture as enable_cuda_graph_capture
+from ._devices import jax_warp_device as jax_warp_device
 from ._io import atomic_write as atomic_write
 from ._io import atomic_write_bytes as atomic_write_bytes
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._bridge import WarpKernel, _check_array, _check_scalar, _normalize_dims, jax_kernel
+from ._devices import geometry_id
 from ._signature import ArgSpec
 
 DimsRule = int | Sequence[int] | str | Callable[[Mapping[str, jax.Array]], Any] | None
@@ -273,7 +274,7 @@ def _static_value(spec: ArgSpec, value: Any) -> Any:
     # A Warp geometry object (wp.Mesh, wp.HashGrid, wp.Bvh, wp.Volume) stands for its uint64 id; the layer
     # keeps the object itself, so the object outlives every call that uses the id.
     if spec.dtype == np.uint64 and not isinstance(value, (numbers.Number, np.generic)) and hasattr(value, "id"):
-        return value.id
+        return geometry_id(value, f"static argument '{spec.name}'")
     return value
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import warp as wp
 
 from .._bridge import jax_kernel
+from .._devices import geometry_id, jax_warp_device
 
 __all__ = [
     "closest_point_on_triangle",
@@ -95,17 +96,11 @@ def make_mesh(vertices, faces) -> wp.Mesh:
         raise ValueError(f"make_mesh: expected vertices (v, 3) and faces (f, 3), got {vertices.shape} and {faces.shape}.")
     if faces.size and (faces.min() < 0 or faces.max() >= len(vertices)):
         raise ValueError(f"make_mesh: face indices must lie in [0, {len(vertices)}), got [{faces.min()}, {faces.max()}].")
-    device = _jax_warp_device()
+    device = jax_warp_device()
     return wp.Mesh(
         points=wp.array(vertices, dtype=wp.vec3, device=device),
         indices=wp.array(faces.astype(np.int32).reshape(-1), dtype=wp.int32, device=device),
     )
-
-
-def _jax_warp_device():
-    if jax.default_backend() == "cpu":
-        return wp.get_device("cpu")
-    return wp.device_from_jax(jax.devices()[0])
 
 
 def _mesh_id(mesh, what: str) -> int:
@@ -114,14 +109,7 @@ def _mesh_id(mesh, what: str) -> int:
             f"{what}: 'mesh' must be a wp.Mesh (build one with warpnn.kernels.mesh.make_mesh(vertices, faces) "
             f"and keep it alive in your model), got {type(mesh).__name__}."
         )
-    wanted = _jax_warp_device()
-    if mesh.device != wanted:
-        raise ValueError(
-            f"{what}: 'mesh' lives on Warp device {mesh.device}, but JAX computes on {wanted}; a kernel can only "
-            "read a mesh on its own device. Fix: build it with warpnn.kernels.mesh.make_mesh(vertices, faces), "
-            "which picks JAX's device."
-        )
-    return int(mesh.id)
+    return geometry_id(mesh, f"{what}, argument 'mesh'")
 
 
 def _check_points(points, what: str) -> None:
