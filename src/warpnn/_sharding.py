@@ -1,0 +1,306 @@
+"""Warp calls under JAX's sharding: data-parallel under ``jax.jit`` with sharded inputs, typed under ``shard_map``.
+
+XLA's SPMD partitioner cannot see inside a custom call, so a plain ``jax.ffi.ffi_call`` whose operands are
+sharded is run *replicated*: every device all-gathers the whole batch, launches the kernel on all of it and
+keeps its slice (measured: ``all-gather`` of every batched operand in the compiled HLO). Correct, but no
+faster on N devices than on one, and N times the memory.
+
+This module routes each Warp call through a primitive of its own, ``warpnn_call``, that knows which
+dimensions are batch dimensions (those ``jax.vmap`` added; the kernel launches once per batch element,
+see ``_launch.py``) and lowers, when the call sits in a partitioned computation, through
+``jax.experimental.custom_partitioning`` with a Shardy sharding rule (the pattern of Transformer Engine's
+JAX primitives):
+
+* every batch dimension is a factor shared by the operands that carry it and all results, so a sharding
+  of the batch propagates through the call; the kernel's own dimensions (particles, springs) are
+  ``need_replication`` factors, since one launch reads its whole arrays;
+* the partition callback keeps the batch sharding (when the shard count divides the batch; otherwise it
+  replicates, never padding a batch of connectivity with garbage indices), replicates everything else, and
+  lowers the *local* ``ffi_call``: each device launches its own batch elements on its own stream, with no
+  collective in the call. Gradients of replicated parameters are summed by the ``all-reduce`` that XLA
+  puts after the adjoint, as for any batched JAX op.
+
+Outside a partitioned computation (one device, inside ``shard_map``, or no vmap batch dimension), the
+primitive lowers to the plain ``ffi_call``.
+
+It also fixes the type of Warp outputs under ``shard_map(check_vma=True)``: ``ffi_call`` gives its outputs
+no varying manual axes, as if they were the same on every device, so JAX would accept ``out_specs=P()``
+for a per-shard result (silently returning one device's value) and reject the custom VJP (cotangent types
+differ from the primal's). Here outputs vary over the union of the operands' varying axes, like any
+elementwise JAX op; :func:`match_vma` (applied before ``custom_vjp``) makes every operand vary over that
+union, so the adjoint of a replicated parameter is ``psum``-ed by JAX's transpose of ``pvary``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["ffi_call", "match_vma", "vma_of"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Varying manual axes (shard_map's check_vma types), across JAX versions.
+
+
+def vma_of(x) -> frozenset:
+    """The manual mesh axes over which ``x`` varies (empty outside ``shard_map``)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _pvary(x, axes: tuple):
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # JAX < 0.8
+
+
+def match_vma(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """Make every array vary over the union of their varying manual axes (``pvary``; a no-op outside
+    ``shard_map``). Done before the custom VJP, so that its cotangents have the primal's type and JAX's
+    transpose of ``pvary`` sums the adjoint of a replicated parameter over the devices."""
+    vmas = [vma_of(a) for a in arrays]
+    union = frozenset().union(*vmas)
+    if not union:
+        return list(arrays)
+    return [a if v == union else _pvary(a, tuple(sorted(union - v, key=str))) for a, v in zip(arrays, vmas)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The call's static description.
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallSpec:
+    """Everything static about one Warp FFI call, hashable (a primitive parameter, a custom_partitioning
+    static argument).
+
+    ``result_shapes`` are the unbatched (kernel) shapes; operands and results carry ``num_batch``
+    leading batch dimensions in addition (size 1 on an operand that is not batched along that dim).
+    """
+
+    target: str
+    result_shapes: tuple[tuple[int, ...], ...]
+    result_dtypes: tuple[str, ...]
+    attrs: tuple[tuple[str, Any], ...]
+    batch_shape: tuple[int, ...] = ()
+
+    @property
+    def num_batch(self) -> int:
+        return len(self.batch_shape)
+
+    def ffi_attrs(self) -> dict[str, Any]:
+        return {name: _thaw(value) for name, value in self.attrs}
+
+    def result_types(self, batch_shape: tuple[int, ...]) -> list[jax.ShapeDtypeStruct]:
+        return [jax.ShapeDtypeStruct((*batch_shape, *shape), np.dtype(dtype))
+                for shape, dtype in zip(self.result_shapes, self.result_dtypes)]
+
+
+def _freeze(value):
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, tuple(value.ravel().tolist()))
+    if isinstance(value, np.generic):
+        return ("scalar", value.dtype.str, value.item())
+    return value
+
+
+def _thaw(value):
+    if isinstance(value, tuple) and value and value[0] == "ndarray":
+        _, dtype, shape, flat = value
+        return np.asarray(flat, dtype=np.dtype(dtype)).reshape(shape)
+    if isinstance(value, tuple) and value and value[0] == "scalar":
+        return np.dtype(value[1]).type(value[2])
+    return value
+
+
+def ffi_call(
+    target: str,
+    result_types: Sequence[jax.ShapeDtypeStruct],
+    operands: Sequence[jax.Array],
+    attrs: dict[str, Any],
+) -> list[jax.Array]:
+    """``jax.ffi.ffi_call(target, result_types, vmap_method="expand_dims")(*operands, **attrs)``, as a
+    primitive that shards its ``vmap`` batch dimensions under ``jax.jit`` and types its outputs under
+    ``shard_map``."""
+    spec = _CallSpec(
+        target,
+        tuple(tuple(int(d) for d in t.shape) for t in result_types),
+        tuple(np.dtype(t.dtype).str for t in result_types),
+        tuple((name, _freeze(value)) for name, value in sorted(attrs.items())),
+    )
+    return list(warpnn_call_p.bind(*match_vma([jnp.asarray(op) for op in operands]), spec=spec))
+
+
+# --------------------------------------------------------------------------------------------------
+# The primitive.
+
+warpnn_call_p = Primitive("warpnn_call")
+warpnn_call_p.multiple_results = True
+
+
+def _plain_call(spec: _CallSpec, *operands):
+    """The Warp FFI call itself, on whatever (local) shapes the operands have."""
+    batch = _batch_shape(spec, operands)
+    call = jax.ffi.ffi_call(spec.target, spec.result_types(batch), vmap_method="expand_dims")
+    return list(call(*operands, **spec.ffi_attrs()))
+
+
+def _batch_shape(spec: _CallSpec, operands) -> tuple[int, ...]:
+    # A batch dim is 1 on operands that are not batched along it; the results carry its full size.
+    return tuple(max((op.shape[k] for op in operands), default=1) for k in range(spec.num_batch))
+
+
+@functools.cache
+def _jitted(spec: _CallSpec):
+    return jax.jit(lambda *operands: warpnn_call_p.bind(*operands, spec=spec))
+
+
+def _impl(*operands, spec):
+    return _jitted(spec)(*operands)
+
+
+def _abstract_eval(*avals, spec: _CallSpec):
+    batch = spec.batch_shape
+    if not avals:
+        return [jax.core.ShapedArray(t.shape, t.dtype) for t in spec.result_types(batch)]
+    # Results carry the batch dims' sharding of the operands that have them at full size (an explicitly
+    # sharded batch stays sharded); their kernel dims are whole on every device. Operands may mix a mesh
+    # with the empty mesh (unsharded constants): take the mesh from the operand the batch sharding came from.
+    meshes = [a.sharding.mesh for a in avals if not a.sharding.mesh.empty]
+    mesh = meshes[0] if meshes else avals[0].sharding.mesh
+    batch_spec = []
+    for k, size in enumerate(batch):
+        names = [a.sharding.spec[k] for a in avals
+                 if a.shape[k] == size and len(a.sharding.spec) > k and a.sharding.mesh == mesh]
+        batch_spec.append(next((n for n in names if n is not None), None))
+    out = []
+    for t in spec.result_types(batch):
+        sharding = NamedSharding(mesh, P(*batch_spec, *([None] * (len(t.shape) - len(batch)))))
+        # update() keeps the operands' varying manual axes (all equal, see match_vma).
+        out.append(avals[0].update(shape=t.shape, dtype=t.dtype, sharding=sharding, weak_type=False))
+    return out
+
+
+def _batching_rule(operands, dims, *, spec: _CallSpec):
+    size = next(op.shape[d] for op, d in zip(operands, dims) if d is not None)
+    # The new batch dim goes first; unbatched operands get a size-1 dim (expand_dims), so the launcher
+    # broadcasts them with stride 0 instead of materialising copies.
+    moved = [jnp.expand_dims(op, 0) if d is None else jnp.moveaxis(op, d, 0) for op, d in zip(operands, dims)]
+    batched = dataclasses.replace(spec, batch_shape=(size, *spec.batch_shape))
+    outs = warpnn_call_p.bind(*moved, spec=batched)
+    return outs, [0] * len(outs)
+
+
+warpnn_call_p.def_impl(_impl)
+warpnn_call_p.def_abstract_eval(_abstract_eval)
+batching.primitive_batchers[warpnn_call_p] = _batching_rule
+
+
+# --------------------------------------------------------------------------------------------------
+# Lowering: through custom_partitioning when there is a batch to shard.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The static argument of the partitioned call: the call, and which operands carry each batch dim."""
+
+    spec: _CallSpec
+    operand_ranks: tuple[int, ...]
+    operand_batched: tuple[tuple[bool, ...], ...]  # [operand][batch dim]: full size (True) or 1
+
+
+def _sharding_rule(layout: _Layout, mesh, operand_types, result_types) -> SdyShardingRule:
+    spec, operands, replicated = layout.spec, [], []
+    for i, (rank, batched) in enumerate(zip(layout.operand_ranks, layout.operand_batched)):
+        batch = [f"b{k}" if full else f"o{i}u{k}" for k, full in enumerate(batched)]
+        own = [f"o{i}d{j}" for j in range(rank - spec.num_batch)]
+        replicated += own
+        operands.append(ArrayMapping(*batch, *own))
+    results = []
+    for i, shape in enumerate(spec.result_shapes):
+        own = [f"r{i}d{j}" for j in range(len(shape))]
+        replicated += own
+        results.append(ArrayMapping(*[f"b{k}" for k in range(spec.num_batch)], *own))
+    return SdyShardingRule(tuple(operands), tuple(results), need_replication_factors=tuple(replicated))
+
+
+def _mesh_axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _partition(layout: _Layout, mesh, arg_shapes, result_shape):
+    spec = layout.spec
+    results = list(result_shape)
+    proposed = results[0].sharding if results else None
+    batch_spec = []
+    for k, size in enumerate(spec.batch_shape):
+        entry = None
+        if isinstance(proposed, NamedSharding) and len(proposed.spec) > k:
+            entry = proposed.spec[k]
+        shards = math.prod(mesh.shape[a] for a in _mesh_axes(entry))
+        # Never pad a batch: padded elements would launch on garbage (e.g. out-of-range indices).
+        batch_spec.append(entry if shards > 1 and size % shards == 0 else None)
+
+    def sharding(rank, batched):
+        batch = [entry if full else None for entry, full in zip(batch_spec, batched)]
+        return NamedSharding(mesh, P(*batch, *([None] * (rank - spec.num_batch))))
+
+    arg_shardings = tuple(sharding(r, b) for r, b in zip(layout.operand_ranks, layout.operand_batched))
+    all_batched = (True,) * spec.num_batch
+    result_shardings = [sharding(spec.num_batch + len(s), all_batched) for s in spec.result_shapes]
+    return mesh, functools.partial(_plain_call, spec), result_shardings, arg_shardings
+
+
+@functools.cache
+def _partitioned():
+    fn = custom_partitioning(lambda layout, *operands: _plain_call(layout.spec, *operands), static_argnums=(0,))
+    fn.def_partition(partition=_partition, sharding_rule=_sharding_rule)
+    return fn
+
+
+def _lowering(ctx, *operands, spec: _CallSpec):
+    axis_context = ctx.module_context.axis_context
+    manual = getattr(axis_context, "manual_axes", frozenset())
+    devices = getattr(axis_context, "device_assignment", None)
+    if devices is None and hasattr(axis_context, "mesh"):
+        devices = axis_context.mesh.devices.ravel().tolist()
+    if spec.num_batch > 0 and not manual and devices is not None and len(devices) > 1:
+        layout = _Layout(
+            spec,
+            tuple(len(a.shape) for a in ctx.avals_in),
+            tuple(tuple(a.shape[k] == n for k, n in enumerate(spec.batch_shape)) for a in ctx.avals_in),
+        )
+        fn = lambda *ops: _partitioned()(layout, *ops)  # noqa: E731
+    else:
+        fn = functools.partial(_plain_call, spec)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
+
+
+mlir.register_lowering(warpnn_call_p, _lowering)
+
+# jax.jit hands the device assignment to lowering rules only for primitives that ask for it (as
+# custom_partitioning does); without it the call lowers unpartitioned (replicated: correct, not parallel).
+try:
+    from jax._src import dispatch as _dispatch
+
+    _dispatch.prim_requires_devices_during_lowering.add(warpnn_call_p)
+except (ImportError, AttributeError):  # pragma: no cover - a JAX without this registry
+    pass
