@@ -23,10 +23,10 @@ ROOT = CHECK.parent.parent
 PLATFORM = os.environ.get("WARPNN_SHARDING_PLATFORM", "cpu")
 TOL = 2e-6  # float32 sums over the batch in a different order on 4 devices than on one
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(warpnn._bridge, "_sharding"),
-    reason="the bridge does not route Warp calls through warpnn._sharding yet (see docs/distributed.md)",
-)
+
+def _needs_partitioning():
+    if not hasattr(warpnn._bridge, "_sharding"):
+        pytest.skip("the bridge does not route Warp calls through warpnn._sharding yet (see docs/distributed.md)")
 
 
 def _run(*args: str) -> subprocess.Popen:
@@ -44,6 +44,7 @@ def _result(proc: subprocess.Popen, timeout: float = 240) -> dict:
 
 @pytest.fixture(scope="module")
 def single_process():
+    _needs_partitioning()
     return _result(_run("--devices", "4", "--platform", PLATFORM))
 
 
@@ -56,6 +57,7 @@ def _data_parallel(r: dict, devices: int) -> None:
 
 @pytest.fixture(scope="module")
 def two_processes():
+    _needs_partitioning()
     if PLATFORM != "cpu":
         pytest.skip("the two-process check runs on CPU devices")
     with socket.socket() as s:  # a free port for the coordinator
@@ -141,3 +143,28 @@ def test_two_processes_with_gloo_collectives(two_processes):
         assert s["forward_collectives"] == [] and s["forward_local_batch"] == [s["global_batch"] // 4], s
         e = r["equinox"]
         assert e["param_error"] < 1e-5 and e["collectives"] == ["all-reduce"], e
+
+
+def test_main_job_devices_option(tmp_path):
+    """``warpnn-train cloth --devices 2``: 4 cloths split over 2 CPU devices fit exactly as on one device."""
+    if PLATFORM != "cpu":
+        pytest.skip("runs the CLI on CPU devices")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    common = ["--device", "cpu", "--steps", "6", "--rows", "5", "--cols", "5", "--frames", "20"]
+    runs = {n: subprocess.Popen([sys.executable, "-m", "warpnn_train.cli", "cloth", *common, "--devices", str(n),
+                                 "--cloths-per-device", str(4 // n), "--out", str(tmp_path / str(n))],
+                                cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for n in (1, 2)}
+    metrics = {}
+    for n, proc in runs.items():
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        metrics[n] = json.loads((tmp_path / str(n) / "metrics.json").read_text())
+        assert (tmp_path / str(n) / "checkpoint.eqx").stat().st_size > 0
+    one, two = metrics[1], metrics[2]
+    assert two["devices"] == 2 and two["cloths"] == one["cloths"] == 4, two
+    assert two["cloth_frames_per_s_per_device"] > 0 and two["final_loss"] < two["initial_loss"], two
+    for key in ("initial_loss", "final_loss"):
+        assert abs(two[key] - one[key]) <= 1e-5 * abs(one[key]), (key, one[key], two[key])
+    for key, value in one["rel_error"].items():
+        assert abs(two["rel_error"][key] - value) < 1e-4, (key, value, two["rel_error"][key])

@@ -68,6 +68,13 @@ def _peek_device(argv: list[str]) -> str:
     return known.device
 
 
+def _peek_devices(argv: list[str]) -> int | None:
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # "--device" is not "--devices"
+    pre.add_argument("--devices", type=int, default=None)
+    known, _ = pre.parse_known_args(argv)
+    return known.devices
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
@@ -78,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu":
         # Must precede the first `import jax` anywhere (task modules import it): JAX reads it once.
         os.environ["JAX_PLATFORMS"] = "cpu"
+    devices = _peek_devices(rest)
+    if devices and devices > 1:
+        # --devices N on the CPU needs N host devices, which XLA creates only if told before it starts.
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     module = importlib.import_module(f"warpnn_train.{TASKS[task][0]}")
     parser = _task_parser(task, module)
     args = parser.parse_args(rest)

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=d.lr, help="Adam peak learning rate (log-parameters, cosine decay)")
     g.add_argument("--backend", choices=["warp", "jax"], default=d.backend,
                    help="simulate with the Warp kernels (default) or their pure-JAX reference")
+    from . import data_parallel  # imports this module: not at the top
+
+    data_parallel.add_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> SysIdConfig:
@@ -226,6 +229,10 @@ def load_checkpoint(path, like_cloth: Cloth, config: SysIdConfig = SysIdConfig()
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = config_from_args(args)
+    if getattr(args, "devices", None):  # a batch of cloths split over devices: warpnn_train.data_parallel
+        from . import data_parallel
+
+        return data_parallel.run(args, config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
