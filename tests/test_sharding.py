@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warp as wp
 
 import warpnn._bridge
 
@@ -27,6 +28,12 @@ TOL = 2e-6  # float32 sums over the batch in a different order on 4 devices than
 def _needs_partitioning():
     if not hasattr(warpnn._bridge, "_sharding"):
         pytest.skip("the bridge does not route Warp calls through warpnn._sharding yet (see docs/distributed.md)")
+    _needs_cpu_kernels()
+
+
+def _needs_cpu_kernels():
+    if PLATFORM == "cpu" and not wp.is_cpu_available():
+        pytest.skip("this Warp build cannot compile CPU kernels; on GPUs run WARPNN_SHARDING_PLATFORM=gpu")
 
 
 def _run(*args: str) -> subprocess.Popen:
@@ -149,6 +156,7 @@ def test_main_job_devices_option(tmp_path):
     """``warpnn-train cloth --devices 2``: 4 cloths split over 2 CPU devices fit exactly as on one device."""
     if PLATFORM != "cpu":
         pytest.skip("runs the CLI on CPU devices")
+    _needs_cpu_kernels()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     common = ["--device", "cpu", "--steps", "6", "--rows", "5", "--cols", "5", "--frames", "20"]
     runs = {n: subprocess.Popen([sys.executable, "-m", "warpnn_train.cli", "cloth", *common, "--devices", str(n),
