@@ -103,6 +103,8 @@ def main(argv=None) -> int:
     reference = grad(*jax.device_put((theta0, *data), jax.devices()[0]))
     update = dp.make_update(task, optimizer)
     for n in counts:
+        if len(data[0]) % n:
+            continue
         mesh = dp.device_mesh(n)
         sharded = (dp.replicate(mesh, theta0), *dp.shard_batch(mesh, data))
         value, g = grad(*sharded)
@@ -138,7 +140,8 @@ def main(argv=None) -> int:
 
     for n in counts:
         report["weak"].append(measure(n, args.cloths_per_device * n))
-        report["strong"].append(measure(n, args.cloths_per_device * n_max))
+        if (args.cloths_per_device * n_max) % n == 0:  # a batch the devices do not divide would run replicated
+            report["strong"].append(measure(n, args.cloths_per_device * n_max))
     for rows in (report["weak"], report["strong"]):
         base = rows[0]["cloth_frames_per_s"]
         for r in rows:
