@@ -31,6 +31,11 @@ try:
 except _native_launch.NativeUnavailable as e:  # no compiler and no prebuilt library on this machine
     NATIVE_ERROR = str(e)
 needs_native = pytest.mark.skipif(NATIVE_ERROR is not None, reason=f"native launcher unavailable: {NATIVE_ERROR}")
+# Tests of the CPU handlers: JAX must compute on the CPU, and Warp must be able to build CPU kernels (the GPU
+# machine's Warp ships without its LLVM compiler).
+cpu_only = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not wp.is_cpu_available(), reason="tests the CPU handlers (JAX on CPU, Warp with CPU support)"
+)
 
 
 def _entries(launcher) -> int:
@@ -338,6 +343,7 @@ def _run_script(tmp_path, source, env_updates, drop=()):
 
 
 @needs_native
+@cpu_only
 def test_concurrent_calls_on_several_cpu_devices(tmp_path):
     """pmap over 4 host devices: XLA calls the CPU handlers from several threads at once, on device ordinals > 0."""
     out = _run_script(tmp_path, """
@@ -373,6 +379,7 @@ def test_concurrent_calls_on_several_cpu_devices(tmp_path):
 
 
 @needs_native
+@cpu_only
 def test_args_struct_layout_matches_warps_invoke(springs_setup):
     """The layout registered natively equals the ctypes struct Warp's own `invoke` builds for the same call."""
     pos, springs, stiffness, rest = springs_setup
@@ -452,6 +459,7 @@ def test_missing_scalar_attribute_is_an_ffi_error():
 
 
 @needs_native
+@cpu_only
 def test_missing_device_entry_is_an_ffi_error_naming_the_kernel():
     sig = warpnn.jax_kernel(K.scale_square).signature
     _, kid = _register_raw(sig)  # no entry points, and the launcher cannot resolve an id it never issued
@@ -460,6 +468,7 @@ def test_missing_device_entry_is_an_ffi_error_naming_the_kernel():
 
 
 @needs_native
+@cpu_only
 def test_missing_entry_point_function_is_an_ffi_error():
     sig = warpnn.jax_kernel(K.scale_square).signature
     launcher, kid = _register_raw(sig)
@@ -537,16 +546,6 @@ def test_build_from_source_and_stale_library_rejected(tmp_path, monkeypatch):
     monkeypatch.setattr(_native_launch, "source_hash", lambda: "0" * 16)  # as if the source had changed since
     with pytest.raises(_native_launch.NativeUnavailable, match="stale"):
         _native_launch._open(path)
-
-
-@needs_native
-def test_native_is_faster_per_call_than_python():
-    from warpnn import _launch_overhead
-
-    t = _launch_overhead.measure(n=256, reps=20, rounds=5)
-    # generous: ~10x apart when measured; a loaded CI machine must not make this flaky
-    assert t["native fwd"] < t["python fwd"], t
-    assert t["native chain50"] < 0.5 * t["python chain50"], t
 
 
 # ---------------------------------------------------------------------------------------------- GPU only

@@ -470,7 +470,8 @@ static const char* const kDirection[2] = {"forward", "adjoint"};
 static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     /* XLA's first call asks for the API version and traits through the metadata extension; nothing else in
      * the frame is meaningful then. */
-    XLA_FFI_Extension_Base* ext = frame->extension_start;
+    /* by the type of the field: the struct was renamed (XLA_FFI_Extension_Base -> XLA_FFI_Extension) in newer jaxlib */
+    __typeof__(frame->extension_start) ext = frame->extension_start;
     if (ext && ext->type == XLA_FFI_Extension_Metadata) {
         XLA_FFI_Metadata* md = ((XLA_FFI_Metadata_Extension*)ext)->metadata;
         md->api_version.major_version = XLA_FFI_API_MAJOR;
