@@ -36,17 +36,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+try:  # public JAX APIs for defining a primitive; guarded so that a JAX without them still runs warpnn
+    from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+    from jax.extend.core import Primitive
+    from jax.interpreters import batching, mlir
+except ImportError as e:  # pragma: no cover - depends on the JAX version
+    _UNAVAILABLE: str | None = f"{type(e).__name__}: {e}"
+else:
+    _UNAVAILABLE = None
 
 __all__ = ["ffi_call", "match_vma", "vma_of"]
 
@@ -144,14 +151,26 @@ def ffi_call(
         tuple(np.dtype(t.dtype).str for t in result_types),
         tuple((name, _freeze(value)) for name, value in sorted(attrs.items())),
     )
+    if _UNAVAILABLE is not None or not operands:  # nothing to shard without operands
+        if _UNAVAILABLE is not None:
+            _warn_unavailable()
+        return _plain_call(spec, *operands)
     return list(warpnn_call_p.bind(*match_vma([jnp.asarray(op) for op in operands]), spec=spec))
+
+
+@functools.cache
+def _warn_unavailable() -> None:
+    warnings.warn(
+        f"warpnn: Warp calls cannot be partitioned with this JAX ({jax.__version__}): {_UNAVAILABLE}. They run as "
+        "plain jax.ffi.ffi_call: correct, but replicated (not data-parallel) on sharded inputs, and typed as "
+        "invariant under shard_map(check_vma=True).",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # The primitive.
-
-warpnn_call_p = Primitive("warpnn_call")
-warpnn_call_p.multiple_results = True
 
 
 def _plain_call(spec: _CallSpec, *operands):
@@ -177,8 +196,6 @@ def _impl(*operands, spec):
 
 def _abstract_eval(*avals, spec: _CallSpec):
     batch = spec.batch_shape
-    if not avals:
-        return [jax.core.ShapedArray(t.shape, t.dtype) for t in spec.result_types(batch)]
     # Results carry the batch dims' sharding of the operands that have them at full size (an explicitly
     # sharded batch stays sharded); their kernel dims are whole on every device. Operands may mix a mesh
     # with the empty mesh (unsharded constants): take the mesh from the operand the batch sharding came from.
@@ -205,11 +222,6 @@ def _batching_rule(operands, dims, *, spec: _CallSpec):
     batched = dataclasses.replace(spec, batch_shape=(size, *spec.batch_shape))
     outs = warpnn_call_p.bind(*moved, spec=batched)
     return outs, [0] * len(outs)
-
-
-warpnn_call_p.def_impl(_impl)
-warpnn_call_p.def_abstract_eval(_abstract_eval)
-batching.primitive_batchers[warpnn_call_p] = _batching_rule
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,13 +306,27 @@ def _lowering(ctx, *operands, spec: _CallSpec):
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
-mlir.register_lowering(warpnn_call_p, _lowering)
+def _register():
+    prim = Primitive("warpnn_call")
+    prim.multiple_results = True
+    prim.def_impl(_impl)
+    prim.def_abstract_eval(_abstract_eval)
+    batching.primitive_batchers[prim] = _batching_rule
+    mlir.register_lowering(prim, _lowering)
+    # jax.jit hands the device assignment to lowering rules only for primitives that ask for it (as
+    # custom_partitioning does); without it the call lowers unpartitioned (replicated: correct, not parallel).
+    try:
+        from jax._src import dispatch
 
-# jax.jit hands the device assignment to lowering rules only for primitives that ask for it (as
-# custom_partitioning does); without it the call lowers unpartitioned (replicated: correct, not parallel).
-try:
-    from jax._src import dispatch as _dispatch
+        dispatch.prim_requires_devices_during_lowering.add(prim)
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX without this registry
+        pass
+    return prim
 
-    _dispatch.prim_requires_devices_during_lowering.add(warpnn_call_p)
-except (ImportError, AttributeError):  # pragma: no cover - a JAX without this registry
-    pass
+
+warpnn_call_p = None
+if _UNAVAILABLE is None:
+    try:
+        warpnn_call_p = _register()
+    except Exception as e:  # noqa: BLE001 - pragma: no cover; a JAX whose primitive API changed: fall back
+        _UNAVAILABLE = f"{type(e).__name__}: {e}"
