@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _sharding
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX, load_kernel
 from ._signature import ArgSpec, KernelSignature, signature_of
 
@@ -103,7 +104,9 @@ class WarpKernel:
         out_shapes = _resolve_output_shapes(sig, dims if out_dims is None else out_dims, dims)
         _preload(sig.kernel)
         plan = _CallPlan(sig, scalars, dims, out_shapes)
-        return tuple(_differentiable_call(plan, *arrays))
+        # Under shard_map, every operand must vary over the same mesh axes before the custom VJP, so that the
+        # adjoint of a replicated parameter is psum-ed by JAX's transpose of pvary (a no-op elsewhere).
+        return tuple(_differentiable_call(plan, *_sharding.match_vma(arrays)))
 
 
 def jax_kernel(
@@ -291,10 +294,11 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     else:
         specs, shapes = plan.sig.outputs, plan.output_shapes
     out_types = [jax.ShapeDtypeStruct(shape, spec.dtype) for shape, spec in zip(shapes, specs)]
-    # expand_dims: under vmap every operand gets a leading batch dim (size 1 when unbatched); the
-    # launcher then launches per batch element instead of folding the batch into Warp's dims.
-    call = jax.ffi.ffi_call(adj_target if adjoint else fwd_target, out_types, vmap_method="expand_dims")
-    return list(call(*operands, **plan.attrs()))
+    # jax.ffi.ffi_call with vmap_method="expand_dims" (under vmap every operand gets a leading batch dim,
+    # size 1 when unbatched, and the launcher launches per batch element instead of folding the batch into
+    # Warp's dims), wrapped in a primitive that keeps a sharded vmap batch sharded under jax.jit (each
+    # device launches its own batch elements) and types outputs under shard_map: see _sharding.py.
+    return _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, operands, plan.attrs())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
