@@ -23,6 +23,8 @@ CHECK = Path(__file__).with_name("sharding_check.py")
 ROOT = CHECK.parent.parent
 PLATFORM = os.environ.get("WARPNN_SHARDING_PLATFORM", "cpu")
 TOL = 2e-6  # float32 sums over the batch in a different order on 4 devices than on one
+# The same kernel on the same inputs: bit-identical on the CPU, equal up to the order of atomic adds on a GPU.
+ATOMIC_ORDER_TOL = 0.0 if PLATFORM == "cpu" else 1e-6
 
 
 def _needs_partitioning():
@@ -89,7 +91,8 @@ def test_runs_on_the_devices_asked_for(single_process):
 def test_every_device_computes_the_same_gradient(single_process):
     r = single_process["per_device"]
     assert len(r["errors"]) == single_process["devices"] and min(r["norms"]) > 0
-    assert max(r["errors"]) == 0.0, r  # same kernel, same inputs, on each device alone: bit-identical
+    # same kernel, same inputs, on each device alone: equal up to the order of atomic adds on a GPU
+    assert max(r["errors"]) <= ATOMIC_ORDER_TOL, r
 
 
 @pytest.mark.parametrize("mesh", ["explicit", "auto"])
@@ -134,12 +137,12 @@ def test_training_steps_match_one_device(single_process, framework):
 
 def test_indivisible_batch_is_replicated_not_padded(single_process):
     r = single_process["indivisible"]
-    assert r["error"] == 0.0 and r["local_batch"] == [r["global_batch"]], r
+    assert r["error"] <= ATOMIC_ORDER_TOL and r["local_batch"] == [r["global_batch"]], r
 
 
 def test_eager_call_on_sharded_arrays(single_process):
     r = single_process["eager"]
-    assert r["error"] == 0.0 and r["output_spec"].startswith("P('data'"), r
+    assert r["error"] <= ATOMIC_ORDER_TOL and r["output_spec"].startswith("P('data'"), r
 
 
 def test_two_processes_with_gloo_collectives(two_processes):
