@@ -24,7 +24,7 @@ ROOT = CHECK.parent.parent
 PLATFORM = os.environ.get("WARPNN_SHARDING_PLATFORM", "cpu")
 TOL = 2e-6  # float32 sums over the batch in a different order on 4 devices than on one
 # The same kernel on the same inputs: bit-identical on the CPU, equal up to the order of atomic adds on a GPU.
-ATOMIC_ORDER_TOL = 0.0 if PLATFORM == "cpu" else 1e-6
+ATOMIC_ORDER_TOL = 0.0 if PLATFORM == "cpu" else 1e-5
 
 
 def _needs_partitioning():
