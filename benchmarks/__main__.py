@@ -81,7 +81,8 @@ def main(argv=None) -> None:
         md.append("")
     if results.get("training"):
         md.append("## Main job training throughput\n\n| task | steps/s |\n|---|---|")
-        md += [f"| {r['task']} | {r.get('steps_per_s', r.get('error', '?'))} |" for r in results["training"]]
+        md += [f"| {r['task']} | {r['steps_per_s']:.1f} |" if r.get("steps_per_s") else f"| {r['task']} | failed |"
+               for r in results["training"]]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "gpu" if gpu else "cpu"

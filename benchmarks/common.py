@@ -44,8 +44,8 @@ def environment() -> dict:
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                 capture_output=True, text=True, timeout=20,
-            ).stdout.strip()
-            info["nvidia_smi"] = out
+            ).stdout.strip().splitlines()
+            info["nvidia_smi"] = f"{len(out)} x {out[0]}" if len(out) > 1 else out[0]
         except Exception:  # noqa: BLE001 - informational only
             pass
     else:

@@ -16,15 +16,11 @@ import warp as wp
 import warpnn
 from warpnn import _launch
 
+from .bridge import affine
+
 wp.config.quiet = True
 CALLS = 200
 STEPS = 50
-
-
-@wp.kernel
-def affine(x: wp.array(dtype=float), y: wp.array(dtype=float)):
-    i = wp.tid()
-    y[i] = 0.999 * x[i] + 0.001 * x[i] * x[i]
 
 
 def cases():

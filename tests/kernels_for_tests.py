@@ -102,3 +102,27 @@ def chain_springs(n):
 
 def random_positions(key, n):
     return jax.random.normal(key, (n, 3), jnp.float32) + jnp.arange(n, dtype=jnp.float32)[:, None] * jnp.array([1.0, 0.0, 0.0])
+
+
+def springs_case(n: int = 16):
+    """A chain of n particles with random positions, per-spring stiffness and rest lengths (seeded)."""
+    springs = chain_springs(n)
+    m = springs.shape[0]
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(1), 3)
+    pos = random_positions(k1, n)
+    stiffness = jax.random.uniform(k2, (m,), minval=0.5, maxval=2.0)
+    rest = jax.random.uniform(k3, (m,), minval=0.5, maxval=1.5)
+    return pos, springs, stiffness, rest
+
+
+def spring_forces_fn():
+    """``spring_forces`` through warpnn.jax_kernel, launched over springs (not particles, its first input)."""
+    import warpnn
+
+    f = warpnn.jax_kernel(spring_forces)
+
+    def forces(pos, springs, stiffness, rest, scale=1.0):
+        (out,) = f(pos, springs, stiffness, rest, scale, launch_dims=springs.shape[0], output_dims=pos.shape[0])
+        return out
+
+    return forces

@@ -78,25 +78,10 @@ def value_and_grads(f, argnums, key):
 
 @pytest.fixture(scope="module")
 def springs_setup():
-    key = jax.random.PRNGKey(1)
-    springs = K.chain_springs(N)
-    m = springs.shape[0]
-    k1, k2, k3 = jax.random.split(key, 3)
-    pos = K.random_positions(k1, N)
-    stiffness = jax.random.uniform(k2, (m,), minval=0.5, maxval=2.0)
-    rest = jax.random.uniform(k3, (m,), minval=0.5, maxval=1.5)
-    return pos, springs, stiffness, rest
+    return K.springs_case(N)
 
 
-def springs_fn():
-    f = warpnn.jax_kernel(K.spring_forces)
-
-    def forces(pos, springs, stiffness, rest, scale=1.0):
-        # launch over springs, not particles (the first input)
-        (out,) = f(pos, springs, stiffness, rest, scale, launch_dims=springs.shape[0], output_dims=pos.shape[0])
-        return out
-
-    return forces
+springs_fn = K.spring_forces_fn
 
 
 
