@@ -1,0 +1,27 @@
+"""One forward and one fwd+bwd of the 16.8M-spring force kernel, for Nsight Compute:
+
+    ncu --clock-control none --replay-mode application -k regex:spring_forces --launch-count 2 \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis python -m benchmarks.profile_springs
+
+(Kernel replay saves and restores the 1.5 GB of device memory for each of ncu's 11 passes, which took
+over 3 minutes on an H200; application replay reruns this short script instead.)
+"""
+
+import jax
+import jax.numpy as jnp
+
+from warpnn.kernels import cloth
+
+from .models import grid_springs
+
+n = 2048
+springs = grid_springs(n)
+m = springs.shape[0]
+gx, gy = jnp.meshgrid(jnp.arange(n, dtype=jnp.float32), jnp.arange(n, dtype=jnp.float32), indexing="ij")
+x = jnp.stack([gx.ravel(), jnp.zeros(n * n), gy.ravel()], 1) * 0.01
+v = jnp.zeros_like(x)
+k, d, r = jnp.full((m,), 100.0), jnp.full((m,), 0.1), jnp.full((m,), 0.01)
+fwd = jax.jit(lambda x, v, k, d, r: cloth.spring_forces(x, v, springs, k, d, r))
+grad = jax.jit(jax.grad(lambda x, v, k, d, r: jnp.sum(cloth.spring_forces(x, v, springs, k, d, r) ** 2), argnums=(0, 2)))
+jax.block_until_ready(fwd(x, v, k, d, r))
+jax.block_until_ready(grad(x, v, k, d, r))
