@@ -106,14 +106,19 @@ class Task:
     vs_obs: jax.Array
 
 
-def make_task(config: SysIdConfig = SysIdConfig(), seed: int = 0) -> Task:
-    """Simulate the observed trajectory under the hidden parameters of ``config``."""
+def make_scene(config: SysIdConfig) -> tuple[ClothGrid, Cloth, jax.Array, jax.Array]:
+    """The cloth of ``config`` at rest: ``(grid, true_cloth, x0 (n, 3), free (n, 1))``; ``free`` masks out pins."""
     grid = make_cloth_grid(config.rows, config.cols, spacing=config.spacing, origin=(0.0, config.height, 0.0),
                            plane="xz", mass=config.mass, pinned="top-corners")
     true_cloth = Cloth.from_grid(grid, stiffness=config.true_stiffness, damping=config.true_damping,
                                  dt=config.dt, drag=config.drag, backend=config.backend)
-    x0 = jnp.asarray(grid.positions)
     free = jnp.asarray(grid.inv_mass > 0, jnp.float32)[:, None]
+    return grid, true_cloth, jnp.asarray(grid.positions), free
+
+
+def make_task(config: SysIdConfig = SysIdConfig(), seed: int = 0) -> Task:
+    """Simulate the observed trajectory under the hidden parameters of ``config``."""
+    grid, true_cloth, x0, free = make_scene(config)
     v0 = config.kick * jax.random.normal(jax.random.PRNGKey(seed), x0.shape, jnp.float32) * free
     xs_obs, vs_obs = simulate(true_cloth, x0, v0, config.frames)
     return Task(config, grid, true_cloth, x0, v0, xs_obs, vs_obs)
@@ -129,18 +134,26 @@ def with_log_params(cloth: Cloth, theta: dict[str, jax.Array]) -> Cloth:
     return dataclasses.replace(cloth, stiffness=jnp.exp(theta["log_stiffness"]), damping=jnp.exp(theta["log_damping"]))
 
 
+def data_scales(task) -> tuple[float, float]:
+    """Mean squared displacement and speed of the observations: the loss's normalisers (constants of the data)."""
+    return (float(jnp.mean(jnp.sum((task.xs_obs - task.x0) ** 2, -1))), float(jnp.mean(jnp.sum(task.vs_obs**2, -1))))
+
+
+def trajectory_error(xs, vs, xs_obs, vs_obs, scales: tuple[float, float], velocity_weight: float) -> jax.Array:
+    """Normalised position error plus weighted normalised velocity error, averaged over every frame given."""
+    position_error = jnp.mean(jnp.sum((xs - xs_obs) ** 2, -1)) / scales[0]
+    # Velocities weigh the fast, quickly damped stretch oscillations that positions barely show.
+    velocity_error = jnp.mean(jnp.sum((vs - vs_obs) ** 2, -1)) / scales[1]
+    return position_error + velocity_weight * velocity_error
+
+
 def make_loss(task: Task):
     """Trajectory loss: position and velocity errors over all frames, each normalised by the data's scale."""
-    position_scale = jnp.mean(jnp.sum((task.xs_obs - task.x0) ** 2, -1))
-    velocity_scale = jnp.mean(jnp.sum(task.vs_obs**2, -1))
-    weight = task.config.velocity_weight
+    scales, weight = data_scales(task), task.config.velocity_weight
 
     def loss(theta):
         xs, vs = with_log_params(task.true_cloth, theta).rollout(task.x0, task.v0, num_steps=task.config.frames)
-        position_error = jnp.mean(jnp.sum((xs - task.xs_obs) ** 2, -1)) / position_scale
-        # Velocities weigh the fast, quickly damped stretch oscillations that positions barely show.
-        velocity_error = jnp.mean(jnp.sum((vs - task.vs_obs) ** 2, -1)) / velocity_scale
-        return position_error + weight * velocity_error
+        return trajectory_error(xs, vs, task.xs_obs, task.vs_obs, scales, weight)
 
     return loss
 

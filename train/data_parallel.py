@@ -27,10 +27,19 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from warpnn_models.cloth import SPRING_KINDS, Cloth, ClothGrid, make_cloth_grid
+from warpnn_models.cloth import SPRING_KINDS, Cloth, ClothGrid
 
 from . import common
-from .cloth_sysid import SysIdConfig, checkpoint_bytes, initial_theta, relative_errors, with_log_params
+from .cloth_sysid import (
+    SysIdConfig,
+    checkpoint_bytes,
+    data_scales,
+    initial_theta,
+    make_scene,
+    relative_errors,
+    trajectory_error,
+    with_log_params,
+)
 
 AXIS = "data"
 
@@ -86,12 +95,7 @@ class BatchedTask:
 
 def make_batched_task(config: SysIdConfig, num_cloths: int, seed: int = 0, mesh: Mesh | None = None) -> BatchedTask:
     """Simulate the observed trajectories of ``num_cloths`` cloths (sharded over ``mesh`` if given)."""
-    grid = make_cloth_grid(config.rows, config.cols, spacing=config.spacing, origin=(0.0, config.height, 0.0),
-                           plane="xz", mass=config.mass, pinned="top-corners")
-    true_cloth = Cloth.from_grid(grid, stiffness=config.true_stiffness, damping=config.true_damping,
-                                 dt=config.dt, drag=config.drag, backend=config.backend)
-    x0 = jnp.asarray(grid.positions)
-    free = np.asarray(grid.inv_mass > 0, np.float32)[:, None]
+    grid, true_cloth, x0, free = make_scene(config)
     keys = jax.random.split(jax.random.PRNGKey(seed), num_cloths)
     v0 = np.asarray(config.kick * jax.vmap(lambda k: jax.random.normal(k, x0.shape, jnp.float32))(keys) * free)
     if mesh is not None:
@@ -112,16 +116,13 @@ def make_batched_loss(task: BatchedTask):
     Normalisation scales are those of the whole data set (constants), so the loss of a batch split over
     devices is exactly the loss of the whole batch.
     """
-    position_scale = float(jnp.mean(jnp.sum((task.xs_obs - task.x0) ** 2, -1)))
-    velocity_scale = float(jnp.mean(jnp.sum(task.vs_obs**2, -1)))
-    weight, frames, cloth, x0 = task.config.velocity_weight, task.config.frames, task.true_cloth, task.x0
+    scales, weight = data_scales(task), task.config.velocity_weight
+    frames, cloth, x0 = task.config.frames, task.true_cloth, task.x0
 
     def loss(theta, v0, xs_obs, vs_obs):
         c = with_log_params(cloth, theta)
         xs, vs = jax.vmap(lambda v: c.rollout(x0, v, num_steps=frames))(v0)
-        position_error = jnp.mean(jnp.sum((xs - xs_obs) ** 2, -1)) / position_scale
-        velocity_error = jnp.mean(jnp.sum((vs - vs_obs) ** 2, -1)) / velocity_scale
-        return position_error + weight * velocity_error
+        return trajectory_error(xs, vs, xs_obs, vs_obs, scales, weight)
 
     return loss
 
