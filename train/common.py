@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX within one file system
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+# Checkpoints, metrics and figures are written with the library's atomic writer (temp file, fsync, rename).
+from warpnn import atomic_write_bytes
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -105,11 +89,7 @@ def pyplot():
 
 def plot_loss(path: str | os.PathLike, losses: list[float], title: str) -> None:
     """Save a log-scale loss curve as PNG (atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.semilogy(np.arange(len(losses)), losses)
     ax.set_xlabel("step")
@@ -130,12 +110,3 @@ def save_figure(fig, path: str | os.PathLike) -> None:
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
-
-
-def iterate_batches(n: int, batch: int, key) -> Iterator[np.ndarray]:
-    """Endless shuffled index batches (for tasks that sample)."""
-    while True:
-        key, sub = jax.random.split(key)
-        perm = np.asarray(jax.random.permutation(sub, n))
-        for i in range(0, n - batch + 1, batch):
-            yield perm[i : i + batch]
