@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _sharding
-from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX, load_kernel
+from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
 
 Dims = int | Sequence[int]
@@ -102,7 +102,6 @@ class WarpKernel:
         dims = _normalize_dims(dims, "launch_dims", sig)
         out_dims = output_dims if output_dims is not None else self.output_dims
         out_shapes = _resolve_output_shapes(sig, dims if out_dims is None else out_dims, dims)
-        _preload(sig.kernel)
         plan = _CallPlan(sig, scalars, dims, out_shapes)
         # Under shard_map, every operand must vary over the same mesh axes before the custom VJP, so that the
         # adjoint of a replicated parameter is psum-ed by JAX's transpose of pvary (a no-op elsewhere).
@@ -260,26 +259,6 @@ def _output_shape(sig: KernelSignature, spec: ArgSpec, dims) -> tuple[int, ...]:
         f"{spec.warp_ndim} Warp dims" + (f" (or {spec.jax_ndim} JAX dims ending in {spec.inner_shape})" if spec.inner_shape else "")
         + f", got {dims}. Pass output_dims={{'{spec.name}': ...}} to size outputs separately."
     )
-
-
-_PRELOADED: set[tuple[int, str]] = set()
-
-
-def _preload(kernel) -> None:
-    """Build and load the Warp module at trace time, so the first XLA execution does not compile."""
-    import warp as wp
-
-    backend = jax.default_backend()
-    key = (id(kernel.module), backend)
-    if key in _PRELOADED:
-        return
-    if backend == "cpu":
-        devices = [wp.get_device("cpu")]
-    else:
-        devices = [wp.device_from_jax(d) for d in jax.local_devices(backend=backend)]
-    for device in devices:
-        load_kernel(kernel, device)
-    _PRELOADED.add(key)
 
 
 # --------------------------------------------------------------------------------------------------

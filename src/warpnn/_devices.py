@@ -15,6 +15,14 @@ def jax_warp_device():
     return wp.device_from_jax(jax.devices()[0])
 
 
+def trace_devices() -> list:
+    """The Warp devices of the backend JAX compiles for by default: where a trace's kernels must be loaded."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return [wp.get_device("cpu")]
+    return [wp.device_from_jax(d) for d in jax.local_devices(backend=backend)]
+
+
 def geometry_id(obj: Any, where: str) -> int:
     """The uint64 id of a Warp geometry object (``wp.Mesh``, ``wp.HashGrid``, ``wp.Bvh``, ``wp.Volume``), after
     checking that it lives on JAX's device: a kernel given the id of an object on another device reads

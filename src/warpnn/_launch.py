@@ -37,6 +37,7 @@ import jax
 import warp as wp
 
 from . import _warp_compat as wc
+from ._devices import trace_devices
 from ._signature import ArgSpec, KernelSignature
 
 ffi = wc.xla_ffi
@@ -164,7 +165,13 @@ class PythonLauncher:
         return self._targets[id(sig)]
 
     def extra_attrs(self, sig: KernelSignature) -> dict[str, Any]:
-        """Launcher-specific FFI attributes added to every call of ``sig`` (none: handlers close over ``sig``)."""
+        """Launcher-specific FFI attributes added to every call of ``sig`` (none: handlers close over ``sig``).
+
+        Called while tracing, it also loads the kernel's Warp module on the devices of this trace, so the
+        first XLA execution does not compile.
+        """
+        for device in trace_devices():
+            load_kernel(sig.kernel, device)
         return {}
 
     def _register(self, name: str, sig: KernelSignature, adjoint: bool) -> None:

@@ -49,6 +49,7 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
+from ._devices import trace_devices
 from ._launch import SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature
 
@@ -345,7 +346,7 @@ class NativeLauncher:
         """The ``kernel_id`` attribute; also (re)registers the entry points of the devices this trace targets."""
         kid = self._kernel_id(sig)
         with self._lock:
-            for device in _trace_devices():
+            for device in trace_devices():
                 self._set_entry(kid, sig, device)
         return {KERNEL_ID_ATTR: np.int64(kid)}
 
@@ -358,7 +359,7 @@ class NativeLauncher:
         with self._lock:
             if id(sig) in self._ids:
                 return self._ids[id(sig)]
-            devices = _trace_devices()
+            devices = trace_devices()
             for device in devices:  # hashes the module (kernel_dim, grid_stride) and loads it
                 self._load(sig, device)
             d = describe(sig)
@@ -418,14 +419,6 @@ class NativeLauncher:
         except BaseException:  # noqa: BLE001 - must not unwind into C; the handler reports an FFI error
             traceback.print_exc()
             return 1
-
-
-def _trace_devices() -> list:
-    """The Warp devices of the backend JAX compiles for by default (those the bridge preloads)."""
-    backend = jax.default_backend()
-    if backend == "cpu":
-        return [wp.get_device("cpu")]
-    return [wp.device_from_jax(d) for d in jax.local_devices(backend=backend)]
 
 
 _INSTANCE: NativeLauncher | None = None
