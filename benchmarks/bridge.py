@@ -19,7 +19,7 @@ import warp as wp
 import warpnn
 from warpnn import _launch
 
-from .common import environment, fmt_ratio, fmt_us, time_call
+from .common import environment, fmt_ratio, fmt_us, time_interleaved
 
 wp.config.quiet = True
 N = 4096
@@ -57,26 +57,27 @@ def _scan(step):
 
 def measure() -> list[dict]:
     x = jnp.linspace(0.0, 1.0, N, dtype=jnp.float32)
-    rows = []
+    cases = {}
     for name, (fwd, diff) in _variants().items():
-        cases = {
-            "call fwd": (jax.jit(fwd), 1),
-            "call fwd+bwd": (jax.jit(jax.grad(lambda x: diff(x).sum())), 1),
-            "scan step fwd": (jax.jit(_scan(fwd)), SCAN_STEPS),
-            "scan step fwd+bwd": (jax.jit(jax.grad(lambda x: _scan(diff)(x).sum())), SCAN_STEPS),
-        }
-        for case, (fn, per) in cases.items():
-            try:
-                t = time_call(fn, x, reps=20 if per > 1 else 100) / per
-                entries = None
-                if name == "warpnn":
-                    before = sum(_launch.LAUNCHER.handler_entries.values())
-                    for _ in range(10):
-                        jax.block_until_ready(fn(x))
-                    entries = (sum(_launch.LAUNCHER.handler_entries.values()) - before) / (10 * per)
-                rows.append({"case": case, "impl": name, "seconds": t, "handler_entries_per_step": entries})
-            except Exception as e:  # noqa: BLE001 - a variant that cannot run the case is reported, not fatal
-                rows.append({"case": case, "impl": name, "seconds": None, "error": f"{type(e).__name__}: {e}"[:200]})
+        cases[("call fwd", name)] = (jax.jit(fwd), 1)
+        cases[("call fwd+bwd", name)] = (jax.jit(jax.grad(lambda x, diff=diff: diff(x).sum())), 1)
+        cases[("scan step fwd", name)] = (jax.jit(_scan(fwd)), SCAN_STEPS)
+        cases[("scan step fwd+bwd", name)] = (jax.jit(jax.grad(lambda x, diff=diff: _scan(diff)(x).sum())), SCAN_STEPS)
+    # All implementations timed in alternating rounds: their ratios are the point of this table.
+    times = time_interleaved({key: (fn, (x,)) for key, (fn, _) in cases.items()})
+    rows = []
+    for (case, name), (fn, per) in cases.items():
+        t = times[(case, name)]
+        if isinstance(t, Exception):  # a variant that cannot run the case is reported, not fatal
+            rows.append({"case": case, "impl": name, "seconds": None, "error": f"{type(t).__name__}: {t}"[:200]})
+            continue
+        entries = None
+        if name == "warpnn":
+            before = sum(_launch.LAUNCHER.handler_entries.values())
+            for _ in range(10):
+                jax.block_until_ready(fn(x))
+            entries = (sum(_launch.LAUNCHER.handler_entries.values()) - before) / (10 * per)
+        rows.append({"case": case, "impl": name, "seconds": t / per, "handler_entries_per_step": entries})
     return rows
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import glob
 import os
 import platform
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -25,6 +28,68 @@ def time_call(fn: Callable, *args, reps: int = 50, min_time: float = 0.2) -> flo
         if len(samples) >= 20 * reps:
             break
     return float(np.median(samples))
+
+
+def time_interleaved(cases: dict, rounds: int = 20, per_round: int = 3) -> dict:
+    """Median wall time of each case (``{key: (fn, args)}``), measured in rounds that visit every case in
+    turn, so that slow drifts of the machine (clocks, other tenants of the host) fall on all cases alike and
+    their ratios hold still. Cases whose warm-up raises are left out (their key maps to the exception)."""
+    ready, results = {}, {}
+    for key, (fn, args) in cases.items():
+        try:
+            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(fn(*args))
+            ready[key] = (fn, args)
+        except Exception as e:  # noqa: BLE001 - a case that cannot run is reported by the caller
+            results[key] = e
+    samples = {key: [] for key in ready}
+    for _ in range(rounds):
+        for key, (fn, args) in ready.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                samples[key].append(time.perf_counter() - t0)
+    results.update({key: float(np.median(s)) for key, s in samples.items()})
+    return results
+
+
+def trace_events(fn: Callable, *args, calls: int = 5) -> tuple[dict, dict, float]:
+    """Run ``fn(*args)`` ``calls`` times (after two warm-up calls) under ``jax.profiler`` and reduce the trace.
+
+    Returns ``(host, device, wall)``: event durations in ns by name, on the host (XLA executing each HLO
+    operation; on a GPU that is enqueueing it, a custom call's handler included) and on the device (each
+    kernel, memset and copy, from the GPU's stream lines; empty on a CPU), and the wall time in seconds.
+    """
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+            wall = time.perf_counter() - t0
+        data = ProfileData.from_file(sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))[-1])
+    host, device = collections.defaultdict(list), collections.defaultdict(list)
+    for plane in data.planes:
+        on_device = plane.name.startswith("/device:")
+        if not (on_device or plane.name == "/host:CPU"):
+            continue
+        for line in plane.lines:
+            if on_device and not line.name.startswith("Stream"):
+                continue  # the device plane's other lines summarise the streams' events again
+            for event in line.events:
+                if not event.name.startswith("end: "):
+                    (device if on_device else host)[event.name].append(event.duration_ns)
+    return dict(host), dict(device), wall
+
+
+def device_time(fn: Callable, *args, calls: int = 5) -> float | None:
+    """Seconds of device work (kernels, memsets, copies) per call of ``fn``; None where no device trace."""
+    _, device, _ = trace_events(fn, *args, calls=calls)
+    total = sum(sum(d) for d in device.values())
+    return total / calls / 1e9 if total else None
 
 
 def environment() -> dict:

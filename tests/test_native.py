@@ -552,6 +552,29 @@ def test_each_gpu_gets_its_own_entry_points(key):
             assert_close(y, 1.5 * x * x, 1e-6, 1e-6)
 
 
+@needs_native
+@pytest.mark.gpu
+def test_driver_path_matches_warps_launcher(springs_setup, key):
+    """On CUDA the handlers launch and zero through the driver; Warp's launcher (the fallback) gives the same."""
+    entry_points = _native_launch.driver_entry_points()
+    assert entry_points is not None and all(entry_points), "no CUDA driver entry points on a GPU machine"
+    pos, springs, stiffness, rest = springs_setup
+    forces = springs_fn()
+    run = jax.jit(value_and_grads(lambda p, k, r: forces(p, springs, k, r, 0.7), (0, 1, 2), key))
+    with _launch.use_launcher("native") as native:
+        lib = native._lib
+        try:
+            lib.warpnn_set_driver(*[None] * len(entry_points))
+            through_warp = jax.tree.map(np.asarray, run(pos, stiffness, rest))
+        finally:
+            lib.warpnn_set_driver(*entry_points)
+        through_driver = jax.tree.map(np.asarray, run(pos, stiffness, rest))
+    reference = jax.jit(value_and_grads(lambda p, k, r: K.spring_forces_ref(p, springs, k, r, 0.7), (0, 1, 2), key))
+    reference = jax.tree.map(np.asarray, reference(pos, stiffness, rest))
+    jax.tree.map(lambda a, b: assert_close(a, b, 1e-6, 1e-7), through_driver, through_warp)
+    jax.tree.map(lambda a, b: assert_close(a, b, 1e-4, 1e-5), through_driver, reference)
+
+
 @pytest.mark.gpu
 @needs_native
 def test_native_calls_replay_from_cuda_graphs_inside_scan(tmp_path):

@@ -53,11 +53,12 @@ from ._devices import trace_devices
 from ._launch import SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature
 
-ABI_VERSION = 1  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
+ABI_VERSION = 2  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
 NATIVE_DIR = Path(__file__).resolve().with_name("_native")
 SOURCE = NATIVE_DIR / "warpnn_ffi.c"
 LIB_ENV = "WARPNN_NATIVE_LIB"
 CACHE_ENV = "WARPNN_CACHE_DIR"
+DRIVER_LAUNCH_ENV = "WARPNN_DRIVER_LAUNCH"  # "0": always launch through Warp's launcher (see driver_entry_points)
 FORWARD_TARGET = "warpnn_native_forward"
 ADJOINT_TARGET = "warpnn_native_adjoint"
 KERNEL_ID_ATTR = "kernel_id"
@@ -199,6 +200,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.warpnn_array_t_size.restype = c.c_int32
     lib.warpnn_init.argtypes = [c.c_void_p] * 5
     lib.warpnn_init.restype = None
+    lib.warpnn_set_driver.argtypes = [c.c_void_p] * 5
+    lib.warpnn_set_driver.restype = None
     lib.warpnn_handler_entries.argtypes = [c.c_int32]
     lib.warpnn_handler_entries.restype = c.c_int64
     lib.warpnn_register_kernel.argtypes = [
@@ -221,6 +224,21 @@ def _check_array_layout() -> None:
 def _address(fn) -> int:
     """The address of a ctypes function (pointer), 0 for None."""
     return 0 if fn is None else (ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+
+_DRIVER_SYMBOLS = ("cuCtxGetCurrent", "cuLaunchKernel", "cuMemsetD32Async", "cuMemsetD8Async", "cuGetErrorString")
+
+
+def driver_entry_points() -> list[int] | None:
+    """Addresses of the CUDA driver functions the handlers' driver path calls (``_DRIVER_SYMBOLS``), or None
+    where there is no CUDA driver or ``WARPNN_DRIVER_LAUNCH=0`` asks for Warp's launcher on every call."""
+    if os.environ.get(DRIVER_LAUNCH_ENV, "1") == "0" or not wp.is_cuda_available():
+        return None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")  # already loaded by Warp: this only looks it up
+        return [_address(getattr(cuda, name)) for name in _DRIVER_SYMBOLS]
+    except (OSError, AttributeError):
+        return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -319,6 +337,7 @@ class NativeLauncher:
             _address(core.wp_cuda_launch_kernel), _address(core.wp_memset_device),
             _address(core.wp_get_error_string), _address(core.wp_take_cpu_block_error), _address(resolver),
         )
+        self._lib.warpnn_set_driver(*(driver_entry_points() or [None] * len(_DRIVER_SYMBOLS)))
         for platform, fwd, adj in (
             ("cpu", self._lib.warpnn_cpu_forward, self._lib.warpnn_cpu_adjoint),
             ("CUDA", self._lib.warpnn_cuda_forward, self._lib.warpnn_cuda_adjoint),

@@ -13,6 +13,9 @@
  * Every FFI call carries the kernel id as an attribute; the four handlers below (CPU/CUDA x forward/adjoint)
  * serve every kernel. Per call they: decode attributes (launch dims, static scalars), zero the results on the
  * XLA stream, and launch Warp's kernel once per vmap batch element with per-argument pointer offsets.
+ * On CUDA, zeroing and launches go straight to the driver (cuMemsetD32Async, cuLaunchKernel: addresses handed
+ * in the same way, warpnn_set_driver) when the thread's current context is the kernel's; otherwise, or with
+ * WARPNN_DRIVER_LAUNCH=0, through Warp's own wp_memset_device / wp_cuda_launch_kernel.
  *
  * Buffer order (fixed by warpnn/_bridge.py):
  *   forward: args = array inputs in signature order;                    rets = outputs
@@ -37,7 +40,7 @@
 #define WARPNN_EXPORT __attribute__((visibility("default")))
 
 /* Bumped whenever the registration interface below changes; Python refuses a library with another value. */
-#define WARPNN_ABI_VERSION 1
+#define WARPNN_ABI_VERSION 2
 #ifndef WARPNN_SOURCE_HASH
 #define WARPNN_SOURCE_HASH "unknown"
 #endif
@@ -92,6 +95,15 @@ typedef size_t (*cuda_launch_fn)(void* context, void* kernel, size_t dim, int ma
                                  void* stream, const void* apic_info);
 typedef _Bool (*memset_device_fn)(void* context, void* dest, int value, size_t n, void* stream);
 typedef const char* (*error_string_fn)(void);
+/* CUDA driver entry points (CUresult is an int; CUcontext, CUfunction, CUstream and CUdeviceptr are
+ * pointer-sized), resolved from libcuda by the Python side. */
+typedef int (*cu_ctx_get_current_fn)(void** context);
+typedef int (*cu_launch_kernel_fn)(void* function, unsigned grid_x, unsigned grid_y, unsigned grid_z,
+                                   unsigned block_x, unsigned block_y, unsigned block_z, unsigned shared_bytes,
+                                   void* stream, void** params, void** extra);
+typedef int (*cu_memset_d32_async_fn)(uintptr_t dest, unsigned value, size_t count, void* stream);
+typedef int (*cu_memset_d8_async_fn)(uintptr_t dest, unsigned char value, size_t count, void* stream);
+typedef int (*cu_get_error_string_fn)(int result, const char** message);
 typedef int (*resolver_fn)(int64_t kernel_id, int32_t platform, int32_t ordinal);
 
 /* Entry points of one kernel on one device, immutable once published. Replaced (never freed: a handler on
@@ -140,6 +152,18 @@ static _Atomic(memset_device_fn) g_memset_device;
 static _Atomic(error_string_fn) g_error_string;
 static _Atomic(error_string_fn) g_take_cpu_block_error;
 static _Atomic(resolver_fn) g_resolver;
+/* The driver path (warpnn_set_driver): launches and zeroing straight through libcuda, skipping Warp's
+ * wrappers, whose context guard, timing and capture hooks cost host time on every call; taken only when the
+ * calling thread's current context is the one Warp loaded the kernel in (XLA makes its context current
+ * before running a thunk) and the launch needs nothing Warp's launcher adds (no thread-block clusters). */
+typedef struct {
+    cu_ctx_get_current_fn ctx_get_current;
+    cu_launch_kernel_fn launch_kernel;
+    cu_memset_d32_async_fn memset_d32_async;
+    cu_memset_d8_async_fn memset_d8_async;
+    cu_get_error_string_fn get_error_string;
+} DriverApi;
+static _Atomic(const DriverApi*) g_driver;
 static _Atomic int64_t g_entries[2]; /* executions (not metadata queries) of forward / adjoint handlers */
 /* Warp's CPU kernels are not reentrant: on x86-64 each module keeps its tile-storage pointer (and, without
  * stack tiles, the tile memory itself) in static variables, and the cooperative-block error is a global. XLA:CPU
@@ -162,6 +186,29 @@ WARPNN_EXPORT void warpnn_init(void* cuda_launch_kernel, void* memset_device, vo
     atomic_store(&g_error_string, (error_string_fn)get_error_string);
     atomic_store(&g_take_cpu_block_error, (error_string_fn)take_cpu_block_error);
     atomic_store(&g_resolver, (resolver_fn)resolver);
+}
+
+/* Enable (all non-NULL) or disable (any NULL) the driver path. The table is never freed: a handler on another
+ * thread may hold it. */
+WARPNN_EXPORT void warpnn_set_driver(void* ctx_get_current, void* launch_kernel, void* memset_d32_async,
+                                     void* memset_d8_async, void* get_error_string) {
+    DriverApi* api = NULL;
+    if (ctx_get_current && launch_kernel && memset_d32_async && memset_d8_async && get_error_string) {
+        api = (DriverApi*)malloc(sizeof(DriverApi));
+        if (!api) return;
+        api->ctx_get_current = (cu_ctx_get_current_fn)ctx_get_current;
+        api->launch_kernel = (cu_launch_kernel_fn)launch_kernel;
+        api->memset_d32_async = (cu_memset_d32_async_fn)memset_d32_async;
+        api->memset_d8_async = (cu_memset_d8_async_fn)memset_d8_async;
+        api->get_error_string = (cu_get_error_string_fn)get_error_string;
+    }
+    atomic_store(&g_driver, api);
+}
+
+static const char* driver_error(const DriverApi* api, int result) {
+    const char* message = NULL;
+    if (api->get_error_string(result, &message) != 0 || !message) message = "unknown CUDA driver error";
+    return message;
 }
 
 WARPNN_EXPORT int64_t warpnn_handler_entries(int32_t adjoint) {
@@ -736,6 +783,15 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     }
     kernel_params[0] = bounds;
 
+    /* ---- the driver path, when this thread's context is the kernel's and the launch fits one grid */
+    const DriverApi* driver = NULL;
+    uint64_t grid = entry->block_dim > 0 ? (total + (uint64_t)entry->block_dim - 1) / (uint64_t)entry->block_dim : 0;
+    if (cuda && entry->cluster_dim <= 1 && entry->block_dim > 0 && grid <= (uint64_t)INT32_MAX) {
+        driver = atomic_load(&g_driver);
+        void* current = NULL;
+        if (driver && (driver->ctx_get_current(&current) != 0 || current != entry->context)) driver = NULL;
+    }
+
     /* ---- zero the results on the stream: outputs accumulate (wp.atomic_add), and so do input adjoints */
     for (int32_t r = 0; r < d->num_rets[mode]; ++r) {
         const XLA_FFI_Buffer* buf = (const XLA_FFI_Buffer*)frame->rets.rets[r];
@@ -749,7 +805,14 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
             for (int64_t k = 0; k < p[P_WARP_NDIM]; ++k) same &= buf->dims[lead + k] == launch[k];
             if (same) continue;
         }
-        if (cuda) {
+        if (driver) {
+            uintptr_t dest = (uintptr_t)buf->data;
+            int rc = (dest % 4 == 0 && nbytes % 4 == 0) ? driver->memset_d32_async(dest, 0, nbytes / 4, stream)
+                                                        : driver->memset_d8_async(dest, 0, nbytes, stream);
+            if (rc != 0)
+                FAIL(XLA_FFI_Error_Code_INTERNAL, "warpnn: kernel '%s' (%s): zeroing result %d on CUDA device %d "
+                     "failed: %s", kname, kDirection[mode], (int)r, (int)ordinal, driver_error(driver, rc));
+        } else if (cuda) {
             memset_device_fn memset_device = atomic_load(&g_memset_device);
             if (!memset_device || !memset_device(entry->context, buf->data, 0, nbytes, stream)) {
                 error_string_fn es = atomic_load(&g_error_string);
@@ -779,7 +842,16 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
             uint64_t data = (uint64_t)(uintptr_t)(as->base + offset);
             memcpy(as->field + offsetof(wp_array_t, data), &data, sizeof(data));
         }
-        if (cuda) {
+        if (driver) {
+            /* Warp's launcher with max_blocks = 0 does the same: ceil(total / block_dim) blocks of block_dim
+             * threads (a grid-stride kernel then runs its loop once) */
+            int rc = driver->launch_kernel(fn, (unsigned)grid, 1, 1, (unsigned)entry->block_dim, 1, 1,
+                                           (unsigned)(mode ? entry->backward_smem : entry->forward_smem), stream,
+                                           kernel_params, NULL);
+            if (rc != 0)
+                FAIL(XLA_FFI_Error_Code_INTERNAL, "warpnn: CUDA launch of %s kernel '%s' on device %d failed: %s",
+                     kDirection[mode], kname, (int)ordinal, driver_error(driver, rc));
+        } else if (cuda) {
             size_t failed = launch(entry->context, fn, (size_t)total, 0, entry->block_dim, entry->grid_stride,
                                    entry->cluster_dim, mode ? entry->backward_smem : entry->forward_smem,
                                    kernel_params, stream, NULL);
