@@ -1,7 +1,9 @@
-"""One forward and one fwd+bwd of the 16.8M-spring force kernel, for Nsight Compute:
+"""One forward and one fwd+bwd of the 16.8M-spring force kernel, for Nsight Compute (docs/profiles.md):
 
-    ncu --clock-control none --replay-mode application -k regex:spring_forces --launch-count 2 \\
-        --section SpeedOfLight --section MemoryWorkloadAnalysis python -m benchmarks.profile_springs
+    ncu --clock-control none --replay-mode application -k regex:spring_forces -c 3 \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis \\
+        --metrics lts__t_requests_op_red.sum,lts__t_sectors_op_red.sum,dram__bytes_read.sum,dram__bytes_write.sum \\
+        python -m benchmarks.profile_springs
 
 (Kernel replay saves and restores the 1.5 GB of device memory for each of ncu's 11 passes, which took
 over 3 minutes on an H200; application replay reruns this short script instead.)

@@ -556,23 +556,23 @@ def test_each_gpu_gets_its_own_entry_points(key):
 @pytest.mark.gpu
 def test_driver_path_matches_warps_launcher(springs_setup, key):
     """On CUDA the handlers launch and zero through the driver; Warp's launcher (the fallback) gives the same."""
-    entry_points = _native_launch.driver_entry_points()
-    assert entry_points is not None and all(entry_points), "no CUDA driver entry points on a GPU machine"
+    assert _native_launch.driver_entry_points() is not None, "no CUDA driver entry points on a GPU machine"
     pos, springs, stiffness, rest = springs_setup
     forces = springs_fn()
     run = jax.jit(value_and_grads(lambda p, k, r: forces(p, springs, k, r, 0.7), (0, 1, 2), key))
-    with _launch.use_launcher("native") as native:
-        lib = native._lib
-        try:
-            lib.warpnn_set_driver(*[None] * len(entry_points))
-            through_warp = jax.tree.map(np.asarray, run(pos, stiffness, rest))
-        finally:
-            lib.warpnn_set_driver(*entry_points)
-        through_driver = jax.tree.map(np.asarray, run(pos, stiffness, rest))
     reference = jax.jit(value_and_grads(lambda p, k, r: K.spring_forces_ref(p, springs, k, r, 0.7), (0, 1, 2), key))
-    reference = jax.tree.map(np.asarray, reference(pos, stiffness, rest))
+    with _launch.use_launcher("native") as native:
+        try:
+            native.set_driver_path(False)
+            before = native.driver_launches
+            through_warp = jax.tree.map(np.asarray, run(pos, stiffness, rest))
+            assert native.driver_launches == before, "the driver path was taken while turned off"
+        finally:
+            native.set_driver_path(True)
+        through_driver = jax.tree.map(np.asarray, run(pos, stiffness, rest))
+        assert native.driver_launches >= before + 2, "forward and adjoint did not launch through the driver"
     jax.tree.map(lambda a, b: assert_close(a, b, 1e-6, 1e-7), through_driver, through_warp)
-    jax.tree.map(lambda a, b: assert_close(a, b, 1e-4, 1e-5), through_driver, reference)
+    jax.tree.map(lambda a, b: assert_close(a, b, 1e-4, 1e-5), through_driver, jax.tree.map(np.asarray, reference(pos, stiffness, rest)))
 
 
 @pytest.mark.gpu

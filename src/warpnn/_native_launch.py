@@ -202,6 +202,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.warpnn_init.restype = None
     lib.warpnn_set_driver.argtypes = [c.c_void_p] * 5
     lib.warpnn_set_driver.restype = None
+    lib.warpnn_driver_launches.restype = c.c_int64
     lib.warpnn_handler_entries.argtypes = [c.c_int32]
     lib.warpnn_handler_entries.restype = c.c_int64
     lib.warpnn_register_kernel.argtypes = [
@@ -337,7 +338,7 @@ class NativeLauncher:
             _address(core.wp_cuda_launch_kernel), _address(core.wp_memset_device),
             _address(core.wp_get_error_string), _address(core.wp_take_cpu_block_error), _address(resolver),
         )
-        self._lib.warpnn_set_driver(*(driver_entry_points() or [None] * len(_DRIVER_SYMBOLS)))
+        self.set_driver_path(True)
         for platform, fwd, adj in (
             ("cpu", self._lib.warpnn_cpu_forward, self._lib.warpnn_cpu_adjoint),
             ("CUDA", self._lib.warpnn_cuda_forward, self._lib.warpnn_cuda_adjoint),
@@ -356,6 +357,16 @@ class NativeLauncher:
     def handler_entries(self) -> dict[str, int]:
         """Executions of the native handlers (not XLA's metadata queries), as PythonLauncher counts them."""
         return {"forward": self._lib.warpnn_handler_entries(0), "adjoint": self._lib.warpnn_handler_entries(1)}
+
+    @property
+    def driver_launches(self) -> int:
+        """CUDA launches that went straight through the driver rather than through Warp's launcher."""
+        return self._lib.warpnn_driver_launches()
+
+    def set_driver_path(self, enabled: bool) -> None:
+        """Turn the handlers' CUDA driver path on (where the driver is present) or off (Warp's launcher)."""
+        entry_points = driver_entry_points() if enabled else None
+        self._lib.warpnn_set_driver(*(entry_points or [None] * len(_DRIVER_SYMBOLS)))
 
     def targets(self, sig: KernelSignature) -> tuple[str, str]:
         self._kernel_id(sig)

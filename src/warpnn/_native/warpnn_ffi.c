@@ -164,6 +164,7 @@ typedef struct {
     cu_get_error_string_fn get_error_string;
 } DriverApi;
 static _Atomic(const DriverApi*) g_driver;
+static _Atomic int64_t g_driver_launches; /* launches that took the driver path (tests check it is taken) */
 static _Atomic int64_t g_entries[2]; /* executions (not metadata queries) of forward / adjoint handlers */
 /* Warp's CPU kernels are not reentrant: on x86-64 each module keeps its tile-storage pointer (and, without
  * stack tiles, the tile memory itself) in static variables, and the cooperative-block error is a global. XLA:CPU
@@ -209,6 +210,10 @@ static const char* driver_error(const DriverApi* api, int result) {
     const char* message = NULL;
     if (api->get_error_string(result, &message) != 0 || !message) message = "unknown CUDA driver error";
     return message;
+}
+
+WARPNN_EXPORT int64_t warpnn_driver_launches(void) {
+    return atomic_load_explicit(&g_driver_launches, memory_order_relaxed);
 }
 
 WARPNN_EXPORT int64_t warpnn_handler_entries(int32_t adjoint) {
@@ -851,6 +856,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
             if (rc != 0)
                 FAIL(XLA_FFI_Error_Code_INTERNAL, "warpnn: CUDA launch of %s kernel '%s' on device %d failed: %s",
                      kDirection[mode], kname, (int)ordinal, driver_error(driver, rc));
+            atomic_fetch_add_explicit(&g_driver_launches, 1, memory_order_relaxed);
         } else if (cuda) {
             size_t failed = launch(entry->context, fn, (size_t)total, 0, entry->block_dim, entry->grid_stride,
                                    entry->cluster_dim, mode ? entry->backward_smem : entry->forward_smem,
