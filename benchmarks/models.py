@@ -24,8 +24,13 @@ from .common import device_time, environment, fmt_ratio, fmt_us, time_call
 SPRING_BYTES = 2 * 4 + 3 * 4 + 4 * 12 + 2 * 12
 
 
-def grid_springs(n: int) -> jax.Array:
-    """Structural and shear springs of an n x n particle grid: about 4 n^2 springs."""
+def grid_springs(n: int, order: str = "rows") -> jax.Array:
+    """Structural and shear springs of an n x n particle grid: about 4 n^2 springs.
+
+    ``order="rows"``: row by row, every kind of spring of one row before the next row (as
+    ``warpnn_models.cloth.make_cloth_grid`` emits them); ``"kinds"``: all horizontal springs, then all
+    vertical, then each diagonal, which streams every position and force through L2 once per kind.
+    """
     idx = jnp.arange(n * n, dtype=jnp.int32).reshape(n, n)
     pairs = [
         (idx[:, :-1], idx[:, 1:]),  # horizontal
@@ -33,7 +38,12 @@ def grid_springs(n: int) -> jax.Array:
         (idx[:-1, :-1], idx[1:, 1:]),  # diagonal
         (idx[:-1, 1:], idx[1:, :-1]),  # anti-diagonal
     ]
-    return jnp.concatenate([jnp.stack([a.ravel(), b.ravel()], 1) for a, b in pairs])
+    springs = jnp.concatenate([jnp.stack([a.ravel(), b.ravel()], 1) for a, b in pairs])
+    if order == "kinds":
+        return springs
+    if order != "rows":
+        raise ValueError(f"grid_springs: order must be 'rows' or 'kinds', got {order!r}")
+    return springs[jnp.argsort(springs[:, 0] // n, stable=True)]
 
 
 def copy_bandwidth() -> float:
@@ -49,26 +59,29 @@ def copy_bandwidth() -> float:
 
 
 def bench_springs(n: int) -> list[dict]:
-    springs = grid_springs(n)
-    m = springs.shape[0]
+    """Spring forces at n x n particles, springs in row order and (for comparison) in kind-by-kind order."""
     key = jax.random.PRNGKey(0)
     gx, gy = jnp.meshgrid(jnp.arange(n, dtype=jnp.float32), jnp.arange(n, dtype=jnp.float32), indexing="ij")
     x = jnp.stack([gx.ravel(), jnp.zeros(n * n), gy.ravel()], 1) * 0.01
     x = x + 1e-3 * jax.random.normal(key, x.shape)
     v = 1e-2 * jax.random.normal(jax.random.PRNGKey(1), x.shape)
-    k, d, r = jnp.full((m,), 100.0), jnp.full((m,), 0.1), jnp.full((m,), 0.01)
     w = jax.random.normal(jax.random.PRNGKey(2), x.shape)
     rows = []
-    for name, fn in (("warpnn", cloth.spring_forces), ("pure JAX", cloth.spring_forces_reference)):
-        fwd = jax.jit(lambda x, v, k, d, r, fn=fn: fn(x, v, springs, k, d, r))
-        grad = jax.jit(jax.grad(lambda x, v, k, d, r, fn=fn: jnp.vdot(w, fn(x, v, springs, k, d, r)), argnums=(0, 1, 2, 3, 4)))
-        for case, f in (("springs fwd", fwd), ("springs fwd+bwd", grad)):
-            t = time_call(f, x, v, k, d, r, reps=20)
-            on_device = device_time(f, x, v, k, d, r)  # the kernels (and zeroing) alone, without dispatch
-            busy = on_device or t
-            rows.append({"case": case, "impl": name, "seconds": t, "device_seconds": on_device,
-                         "size": f"{n * n} particles / {m} springs",
-                         "effective_GBps": SPRING_BYTES * m / busy / 1e9 if case == "springs fwd" else None})
+    for order, suffix in (("rows", ""), ("kinds", ", kind-by-kind order")):
+        springs = grid_springs(n, order)
+        m = springs.shape[0]
+        k, d, r = jnp.full((m,), 100.0), jnp.full((m,), 0.1), jnp.full((m,), 0.01)
+        for name, fn in (("warpnn", cloth.spring_forces), ("pure JAX", cloth.spring_forces_reference)):
+            fwd = jax.jit(lambda x, v, k, d, r, fn=fn, s=springs: fn(x, v, s, k, d, r))
+            grad = jax.jit(jax.grad(lambda x, v, k, d, r, fn=fn, s=springs: jnp.vdot(w, fn(x, v, s, k, d, r)),
+                                    argnums=(0, 1, 2, 3, 4)))
+            for case, f in ((f"springs fwd{suffix}", fwd), (f"springs fwd+bwd{suffix}", grad)):
+                t = time_call(f, x, v, k, d, r, reps=20)
+                on_device = device_time(f, x, v, k, d, r)  # the kernels (and zeroing) alone, without dispatch
+                busy = on_device or t
+                rows.append({"case": case, "impl": name, "seconds": t, "device_seconds": on_device,
+                             "size": f"{n * n} particles / {m} springs",
+                             "effective_GBps": SPRING_BYTES * m / busy / 1e9 if "fwd+bwd" not in case else None})
     return rows
 
 

@@ -138,6 +138,11 @@ def make_cloth_grid(
         add(idx[:-2, :], idx[2:, :], BEND)
     springs = np.concatenate(pairs).astype(np.int32)
     kind = np.concatenate(kinds)
+    # Row by row (all kinds of springs whose first particle is in one row, then the next row): the spring
+    # kernel's gathers and force atomics then stay in L2 across kinds, where kind-by-kind blocks stream every
+    # position and force through L2 once per block (H200, 16.8M springs: 460 against 537 µs).
+    by_row = np.argsort(springs[:, 0] // cols, kind="stable")
+    springs, kind = springs[by_row], kind[by_row]
     rest_length = np.linalg.norm(positions[springs[:, 1]] - positions[springs[:, 0]], axis=1).astype(np.float32)
 
     inv_mass = np.full(rows * cols, 1.0 / mass, np.float32)

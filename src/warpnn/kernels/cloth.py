@@ -139,6 +139,11 @@ def spring_forces(x, v, springs, stiffness, damping, rest_length) -> jax.Array:
     ``rest_length``; ``springs`` is integer connectivity. Under ``jax.vmap`` any argument may be batched
     (e.g. a batch of cloths sharing ``springs``).
 
+    Speed depends on the order of ``springs``: the kernel is bound by L2 (its six float atomics per spring
+    and four gathers), so springs that touch nearby particles should be adjacent. On an H200 at 16.8M springs,
+    row by row (every kind of spring of one grid row, then the next row) runs in 460 µs; all stretch springs,
+    then all shear springs, in 537 µs. ``warpnn_models.cloth.make_cloth_grid`` emits row order.
+
     Args:
         x: (n, 3) float32 or float64 particle positions.
         v: (n, 3) particle velocities, same dtype as ``x``.
