@@ -111,6 +111,8 @@ def table(rows: list[dict], copy_bw: float) -> str:
             f"{fmt_ratio(ref['seconds'], ours['seconds'])} | {fmt_us(ours.get('device_seconds'))} | "
             + (f"{gbps:.0f} ({100 * gbps * 1e9 / copy_bw:.0f}% of copy)" if gbps else "—") + " |"
         )
+    if any((r.get("effective_GBps") or 0) * 1e9 > copy_bw for r in rows):
+        lines.append("\nAbove 100% of copy: the problem fits in cache, which the 1 GiB copy does not.")
     return "\n".join(lines)
 
 
