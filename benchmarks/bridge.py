@@ -55,6 +55,11 @@ def _scan(step):
     return run
 
 
+def _scan_grad(step):
+    """Gradient of the sum of a SCAN_STEPS-step scan of ``step``: the fwd+bwd scan case."""
+    return jax.grad(lambda x: _scan(step)(x).sum())
+
+
 def measure() -> list[dict]:
     x = jnp.linspace(0.0, 1.0, N, dtype=jnp.float32)
     cases = {}
@@ -62,7 +67,7 @@ def measure() -> list[dict]:
         cases[("call fwd", name)] = (jax.jit(fwd), 1)
         cases[("call fwd+bwd", name)] = (jax.jit(jax.grad(lambda x, diff=diff: diff(x).sum())), 1)
         cases[("scan step fwd", name)] = (jax.jit(_scan(fwd)), SCAN_STEPS)
-        cases[("scan step fwd+bwd", name)] = (jax.jit(jax.grad(lambda x, diff=diff: _scan(diff)(x).sum())), SCAN_STEPS)
+        cases[("scan step fwd+bwd", name)] = (jax.jit(_scan_grad(diff)), SCAN_STEPS)
     # All implementations timed in alternating rounds: their ratios are the point of this table.
     times = time_interleaved({key: (fn, (x,)) for key, (fn, _) in cases.items()})
     rows = []

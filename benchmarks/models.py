@@ -75,13 +75,13 @@ def bench_springs(n: int) -> list[dict]:
             fwd = jax.jit(lambda x, v, k, d, r, fn=fn, s=springs: fn(x, v, s, k, d, r))
             grad = jax.jit(jax.grad(lambda x, v, k, d, r, fn=fn, s=springs: jnp.vdot(w, fn(x, v, s, k, d, r)),
                                     argnums=(0, 1, 2, 3, 4)))
-            for case, f in ((f"springs fwd{suffix}", fwd), (f"springs fwd+bwd{suffix}", grad)):
+            for direction, f in (("fwd", fwd), ("fwd+bwd", grad)):
                 t = time_call(f, x, v, k, d, r, reps=20)
                 on_device = device_time(f, x, v, k, d, r)  # the kernels (and zeroing) alone, without dispatch
                 busy = on_device or t
-                rows.append({"case": case, "impl": name, "seconds": t, "device_seconds": on_device,
-                             "size": f"{n * n} particles / {m} springs",
-                             "effective_GBps": SPRING_BYTES * m / busy / 1e9 if "fwd+bwd" not in case else None})
+                rows.append({"case": f"springs {direction}{suffix}", "impl": name, "seconds": t,
+                             "device_seconds": on_device, "size": f"{n * n} particles / {m} springs",
+                             "effective_GBps": SPRING_BYTES * m / busy / 1e9 if direction == "fwd" else None})
     return rows
 
 

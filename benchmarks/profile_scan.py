@@ -17,7 +17,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from .bridge import N, SCAN_STEPS, _scan, _variants
+from .bridge import N, SCAN_STEPS, _scan_grad, _variants
 from .common import time_call, trace_events
 
 IMPLS = ("warpnn", "pure JAX")
@@ -62,8 +62,7 @@ def loop_body_ops(hlo: str) -> collections.Counter:
 
 
 def _step_fn(impl: str):
-    diff = _variants()[impl][1]
-    return jax.jit(jax.grad(lambda x: _scan(diff)(x).sum()))
+    return jax.jit(_scan_grad(_variants()[impl][1]))
 
 
 def traced_breakdown(impl: str, calls: int = 10) -> str:
