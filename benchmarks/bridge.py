@@ -1,6 +1,7 @@
 """Bridge overhead: warpnn.jax_kernel vs Warp's own wp.jax_kernel vs pure JAX, one trivial kernel.
 
-Cases: a single jitted call (fwd, fwd+bwd) and a ``lax.scan`` step (fwd, fwd+bwd, 200 steps per call).
+Cases: a single jitted call (fwd, fwd+bwd), a ``lax.scan`` step (fwd, fwd+bwd, 200 steps per call) of the
+kernel on the carry, and a fwd+bwd scan step of the kernel on ``xs[t]`` whose results are stacked into ``ys``.
 Also counts how often warpnn's handlers were entered per scan step: ~0 means XLA replays a CUDA graph,
 1 (fwd) or 2 (fwd+bwd) means every step calls back into the handler.
 
@@ -60,18 +61,34 @@ def _scan_grad(step):
     return jax.grad(lambda x: _scan(step)(x).sum())
 
 
+def _trajectory_grad(step):
+    """Gradient of a scan that applies ``step`` to each ``xs[t]`` and stacks the results into ``ys``.
+
+    The kernel reads a slice of a stacked buffer and writes into another, in both directions: the pattern
+    for which XLA's GPU compiler would compute slice addresses on the host every step (see _bridge._fence).
+    """
+
+    def loss(c, xs):
+        c, ys = jax.lax.scan(lambda c, x: (lambda y: (c + y, y))(step(x)), c, xs)
+        return c.sum() + jnp.vdot(ys, ys)  # nonlinear in ys: the forward calls are needed, not dead code
+
+    return jax.grad(loss, argnums=(0, 1))
+
+
 def measure() -> list[dict]:
     x = jnp.linspace(0.0, 1.0, N, dtype=jnp.float32)
+    xs = jnp.tile(x, (SCAN_STEPS, 1)) * 0.01
     cases = {}
     for name, (fwd, diff) in _variants().items():
-        cases[("call fwd", name)] = (jax.jit(fwd), 1)
-        cases[("call fwd+bwd", name)] = (jax.jit(jax.grad(lambda x, diff=diff: diff(x).sum())), 1)
-        cases[("scan step fwd", name)] = (jax.jit(_scan(fwd)), SCAN_STEPS)
-        cases[("scan step fwd+bwd", name)] = (jax.jit(_scan_grad(diff)), SCAN_STEPS)
+        cases[("call fwd", name)] = (jax.jit(fwd), (x,), 1)
+        cases[("call fwd+bwd", name)] = (jax.jit(jax.grad(lambda x, diff=diff: diff(x).sum())), (x,), 1)
+        cases[("scan step fwd", name)] = (jax.jit(_scan(fwd)), (x,), SCAN_STEPS)
+        cases[("scan step fwd+bwd", name)] = (jax.jit(_scan_grad(diff)), (x,), SCAN_STEPS)
+        cases[("scan xs→ys step fwd+bwd", name)] = (jax.jit(_trajectory_grad(diff)), (x, xs), SCAN_STEPS)
     # All implementations timed in alternating rounds: their ratios are the point of this table.
-    times = time_interleaved({key: (fn, (x,)) for key, (fn, _) in cases.items()})
+    times = time_interleaved({key: (fn, args) for key, (fn, args, _) in cases.items()})
     rows = []
-    for (case, name), (fn, per) in cases.items():
+    for (case, name), (fn, args, per) in cases.items():
         t = times[(case, name)]
         if isinstance(t, Exception):  # a variant that cannot run the case is reported, not fatal
             rows.append({"case": case, "impl": name, "seconds": None, "error": f"{type(t).__name__}: {t}"[:200]})
@@ -80,7 +97,7 @@ def measure() -> list[dict]:
         if name == "warpnn":
             before = sum(_launch.LAUNCHER.handler_entries.values())
             for _ in range(10):
-                jax.block_until_ready(fn(x))
+                jax.block_until_ready(fn(*args))
             entries = (sum(_launch.LAUNCHER.handler_entries.values()) - before) / (10 * per)
         rows.append({"case": case, "impl": name, "seconds": t / per, "handler_entries_per_step": entries})
     return rows

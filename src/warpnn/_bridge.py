@@ -277,7 +277,24 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     # size 1 when unbatched, and the launcher launches per batch element instead of folding the batch into
     # Warp's dims), wrapped in a primitive that keeps a sharded vmap batch sharded under jax.jit (each
     # device launches its own batch elements) and types outputs under shard_map: see _sharding.py.
-    return _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, operands, plan.attrs())
+    results = _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, _fence(operands), plan.attrs())
+    return _fence(results)
+
+
+def _fence(values) -> list[jax.Array]:
+    """Hide from XLA that an operand is a slice of a bigger buffer, or a result goes into one.
+
+    Inside a loop (``lax.scan`` over ``xs``, a scan's stacked residuals read back by its transpose, a
+    trajectory stacked into ``ys``), XLA's GPU compiler otherwise wraps the custom call in a dynamic-slice
+    fusion that passes it an address inside the stacked buffer. The thunk behind that fusion computes the
+    slice offset on the host every iteration (an HLO evaluation, or a device-to-host copy and a stream
+    synchronisation); in the scans we measured it also kept the loop body from being captured as one CUDA
+    graph. Behind the barrier XLA copies the slice on
+    the device instead, inside the graph. Measured on an H200 (docs/profiles.md): a 200-step scan fwd+bwd
+    step of a 4096-element kernel went from 27 µs to 15 µs (pure JAX: 16-17 µs). Outside loops, and on the
+    CPU, the barrier costs nothing: it only orders operations.
+    """
+    return list(jax.lax.optimization_barrier(tuple(values))) if values else list(values)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
