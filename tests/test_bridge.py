@@ -250,6 +250,79 @@ def test_checkpoint_around_kernel(springs_setup):
     assert_close(jax.grad(loss(forces))(stiffness), jax.grad(loss(K.spring_forces_ref))(stiffness), 1e-4, 1e-4)
 
 
+# ---------------------------------------------------------------------------------------------- inputs not differentiated
+
+
+def _adjoint_result_counts(fn, *args) -> list[int]:
+    """Results of each adjoint FFI call in the jaxpr of ``fn`` (nested jaxprs included)."""
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            spec = eqn.params.get("spec")
+            if eqn.primitive.name == "warpnn_call" and "adj" in spec.target:
+                yield len(eqn.outvars)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        yield from walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        yield from walk(sub)
+
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+@pytest.mark.parametrize("trained", [("pos",), ("stiffness",), ("stiffness", "rest"), ("pos", "rest")])
+def test_only_differentiated_inputs_get_adjoints(springs_setup, key, trained):
+    """Inputs JAX does not differentiate get no adjoint buffer (Warp skips their atomics); the others match."""
+    pos, springs, stiffness, rest = springs_setup
+    forces = springs_fn()
+    values = {"pos": pos, "stiffness": stiffness, "rest": rest}
+    weights = jax.random.normal(key, pos.shape)
+
+    def loss(fn):
+        def run(*trained_values):
+            v = {**values, **dict(zip(trained, trained_values))}
+            return jnp.vdot(weights, fn(v["pos"], springs, v["stiffness"], v["rest"], 0.7))
+
+        return jax.grad(run, argnums=tuple(range(len(trained))))
+
+    args = [values[n] for n in trained]
+    got, want = jax.jit(loss(forces))(*args), loss(K.spring_forces_ref)(*args)
+    jax.tree.map(lambda a, b: assert_close(a, b, 1e-4, 1e-5), got, want)
+    assert _adjoint_result_counts(loss(forces), *args) == [len(trained)]
+
+
+def test_stop_gradient_input_and_vmap_of_grad(springs_setup):
+    pos, springs, stiffness, rest = springs_setup
+    forces = springs_fn()
+
+    def loss(fn):
+        # pos is perturbed through stiffness-dependent motion; rest is held fixed by stop_gradient
+        def run(k):
+            p = pos + 0.1 * fn(pos, springs, k, jax.lax.stop_gradient(rest), 1.0)
+            return jnp.sum(fn(p, springs, k, jax.lax.stop_gradient(rest), 1.0) ** 2)
+
+        return jax.vmap(jax.grad(run))
+
+    ks = jnp.stack([stiffness, 1.5 * stiffness])
+    assert_close(jax.jit(loss(forces))(ks), loss(K.spring_forces_ref)(ks), 1e-4, 1e-5)
+    assert sorted(_adjoint_result_counts(loss(forces), ks)) == [1, 2]  # (stiffness), then (pos, stiffness)
+
+
+def test_unused_outputs(key):
+    """An unused output has a symbolic-zero cotangent: with no used output there is no adjoint launch; with
+    one used output of two, the unused one's adjoint is a zero array and the gradient matches."""
+    f = warpnn.jax_kernel(K.two_outputs, num_outputs=2, output_dims={"y": N, "total": 1})
+    x = jax.random.normal(key, (N,))
+    none_used = jax.grad(lambda x: (f(x, 2.0), jnp.sum(x**2))[1])
+    assert _adjoint_result_counts(none_used, x) == []
+    assert_close(none_used(x), 2 * x, 1e-6, 1e-6)
+    for index in (0, 1):
+        got = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(f(x, 2.0)[index]))))(x)
+        want = jax.grad(lambda x: jnp.sum(jnp.sin(K.two_outputs_ref(x, 2.0)[index])))(x)
+        assert_close(got, want, 1e-5, 1e-6)
+
+
 # ---------------------------------------------------------------------------------------------- registration / state
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from . import _sharding
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
@@ -269,7 +270,7 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     fwd_target, adj_target = LAUNCHER.targets(plan.sig)
     if adjoint:
         shapes = {s.name: op.shape for s, op in zip(plan.sig.array_inputs, operands)}
-        specs, shapes = plan.sig.float_array_inputs, [shapes[s.name] for s in plan.sig.float_array_inputs]
+        specs, shapes = plan.sig.adjoint_inputs, [shapes[s.name] for s in plan.sig.adjoint_inputs]
     else:
         specs, shapes = plan.sig.outputs, plan.output_shapes
     out_types = [jax.ShapeDtypeStruct(shape, spec.dtype) for shape, spec in zip(shapes, specs)]
@@ -314,36 +315,60 @@ def _first_order_only_bwd(plan, adjoint, residuals, cotangents):
 _first_order_only.defvjp(_first_order_only_fwd, _first_order_only_bwd)
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """A residual that is not an array: the adjoint's call plan, chosen in the forward pass."""
+
+    value: Any
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _differentiable_call(plan: _CallPlan, *arrays) -> list[jax.Array]:
     return _ffi_call(plan, False, arrays)
 
 
-def _differentiable_call_fwd(plan, *arrays):
+def _differentiable_call_fwd(plan, *primals):
+    # symbolic_zeros=True: each primal says whether JAX differentiates with respect to it in this call.
+    arrays = tuple(p.value for p in primals)
     outputs = _first_order_only(plan, False, *arrays)
     # Warp's adjoint never touches primal outputs of a kernel that only writes them (see
     # KernelSignature.outputs_read), so float outputs are not kept: their cotangents stand in, unread.
     # Integer outputs have no cotangent and are kept to fill their slot.
     kept = tuple(None if spec.is_float else out for spec, out in zip(plan.sig.outputs, outputs))
-    return outputs, (arrays, kept)
+    # Inputs JAX does not differentiate (constants, stop_gradient, parameters outside the grad) get no
+    # adjoint buffer: Warp skips the atomic adds into them, and nothing is zeroed for them.
+    constant = frozenset(spec.name for spec, p in zip(plan.sig.array_inputs, primals) if not p.perturbed)
+    adjoint_plan = dataclasses.replace(plan, sig=plan.sig.without_adjoints(constant & _float_names(plan.sig)))
+    return outputs, (arrays, kept, _Static(adjoint_plan))
+
+
+def _float_names(sig: KernelSignature) -> frozenset[str]:
+    return frozenset(spec.name for spec in sig.array_inputs if spec.is_float)
 
 
 def _differentiable_call_bwd(plan, residuals, cotangents):
-    arrays, kept = residuals
+    arrays, kept, adjoint_plan = residuals
+    plan = adjoint_plan.value
     sig = plan.sig
+    float_cts = [ct for ct, spec in zip(cotangents, sig.outputs) if spec.is_float]
+    if not sig.adjoint_inputs or all(isinstance(ct, SymbolicZero) for ct in float_cts):
+        return (None,) * len(sig.array_inputs)  # nothing to differentiate, or a zero cotangent: zero adjoints
     if sig.outputs_read:
         raise TypeError(OUTPUT_READ_MESSAGE.format(key=sig.key, names=list(sig.outputs_read)))
-    if not sig.has_adjoint and sig.float_array_inputs:
+    if not sig.has_adjoint:
         raise TypeError(
             f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "
             "module), so it cannot be differentiated. Remove enable_backward=False, or keep its inputs out of "
             "the gradient with jax.lax.stop_gradient if you only need its forward pass."
         )
-    # Integer outputs have float0 cotangents; Warp gets no adjoint buffer for them.
-    float_cts = [ct for ct, spec in zip(cotangents, sig.outputs) if spec.is_float]
-    outputs = [ct if out is None else out for ct, out in zip(cotangents, kept)]
-    adjoints = iter(_first_order_only(plan, True, *arrays, *outputs, *float_cts) if sig.float_array_inputs else [])
-    return tuple(next(adjoints) if spec.is_float else None for spec in sig.array_inputs)
+    # Integer outputs have float0 cotangents; Warp gets no adjoint buffer for them. A symbolic-zero cotangent
+    # of one float output among others becomes a zero array: Warp's adjoint reads every output's adjoint.
+    float_cts = [jnp.zeros(ct.aval.shape, ct.aval.dtype) if isinstance(ct, SymbolicZero) else ct for ct in float_cts]
+    float_cts_iter = iter(float_cts)
+    outputs = [next(float_cts_iter) if out is None else out for out in kept]
+    adjoints = dict(zip((s.name for s in sig.adjoint_inputs), _first_order_only(plan, True, *arrays, *outputs, *float_cts)))
+    return tuple(adjoints.get(spec.name) for spec in sig.array_inputs)
 
 
-_differentiable_call.defvjp(_differentiable_call_fwd, _differentiable_call_bwd)
+_differentiable_call.defvjp(_differentiable_call_fwd, _differentiable_call_bwd, symbolic_zeros=True)

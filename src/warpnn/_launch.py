@@ -229,7 +229,7 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
         outputs = {s.name: _Buffer(args[n_in + i].contents, s) for i, s in enumerate(sig.outputs)}
         base = n_in + len(sig.outputs)
         adj_outputs = {s.name: _Buffer(args[base + i].contents, s) for i, s in enumerate(sig.float_outputs)}
-        adj_inputs = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(sig.float_array_inputs)}
+        adj_inputs = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(sig.adjoint_inputs)}
         zeroed = list(adj_inputs.values())
 
     if platform == "cpu":

@@ -90,12 +90,16 @@ def _arg_spec(name: str, warp_type: Any, kernel_key: str) -> ArgSpec:
 class KernelSignature:
     """The parsed signature of one Warp kernel with a given number of outputs.
 
-    Compared by identity: one instance exists per (kernel, num_outputs), see ``signature_of``.
+    Compared by identity: one instance exists per (kernel, num_outputs), see ``signature_of``, and one per
+    set of constant inputs, see ``without_adjoints``.
     """
 
     kernel: Any
     inputs: tuple[ArgSpec, ...]
     outputs: tuple[ArgSpec, ...]
+    # Float array inputs whose adjoint the adjoint call does not compute: inputs JAX does not differentiate
+    # in this call (constants, stop_gradient). Set only on the variants ``without_adjoints`` returns.
+    constant_inputs: frozenset[str] = frozenset()
 
     @property
     def key(self) -> str:
@@ -106,8 +110,33 @@ class KernelSignature:
         return tuple(a for a in self.inputs if a.is_array)
 
     @functools.cached_property
-    def float_array_inputs(self) -> tuple[ArgSpec, ...]:
-        return tuple(a for a in self.inputs if a.is_array and a.is_float)
+    def adjoint_inputs(self) -> tuple[ArgSpec, ...]:
+        """The inputs the adjoint call returns adjoints for: float arrays, less ``constant_inputs``."""
+        return tuple(a for a in self.inputs if a.is_array and a.is_float and a.name not in self.constant_inputs)
+
+    def without_adjoints(self, names: frozenset[str]) -> KernelSignature:
+        """This signature with no adjoint computed for the inputs ``names`` (one instance per set of names).
+
+        The launchers pass Warp a null adjoint array for them, and Warp's adjoint kernel skips the atomic
+        adds into a null array, so an input that is not differentiated costs no memory traffic backward.
+        """
+        names = frozenset(names) | self.constant_inputs
+        if names == self.constant_inputs:
+            return self
+        base = self._base
+        variant = base._variants.get(names)
+        if variant is None:
+            variant = base._variants[names] = dataclasses.replace(base, constant_inputs=names)
+            variant.__dict__["_base"] = base
+        return variant
+
+    @functools.cached_property
+    def _base(self) -> KernelSignature:
+        return self
+
+    @functools.cached_property
+    def _variants(self) -> dict[frozenset[str], KernelSignature]:
+        return {}
 
     @functools.cached_property
     def float_outputs(self) -> tuple[ArgSpec, ...]:
