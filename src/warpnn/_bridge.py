@@ -121,8 +121,9 @@ def jax_kernel(
     in the signature; call the result with the inputs, get a tuple of outputs.
 
     Unlike ``wp.jax_kernel`` it is always differentiable (reverse mode, through Warp's adjoint kernels,
-    for every float array input), zeroes outputs before launching (so ``wp.atomic_add`` accumulators are
-    right), honours ``launch_dims`` / ``output_dims`` per output, and under ``vmap`` launches the kernel per
+    with respect to every float array input; the adjoint launch computes only those JAX differentiates in
+    the call, so constant inputs cost nothing backward), zeroes outputs before launching (so
+    ``wp.atomic_add`` accumulators are right), honours ``launch_dims`` / ``output_dims`` per output, and under ``vmap`` launches the kernel per
     batch element, which keeps kernels whose threads touch other elements (gathers, scatters) correct.
 
     Example::
@@ -290,10 +291,10 @@ def _fence(values) -> list[jax.Array]:
     fusion that passes it an address inside the stacked buffer. The thunk behind that fusion computes the
     slice offset on the host every iteration (an HLO evaluation, or a device-to-host copy and a stream
     synchronisation); in the scans we measured it also kept the loop body from being captured as one CUDA
-    graph. Behind the barrier XLA copies the slice on
-    the device instead, inside the graph. Measured on an H200 (docs/profiles.md): a 200-step scan fwd+bwd
-    step of a 4096-element kernel went from 27 µs to 15 µs (pure JAX: 16-17 µs). Outside loops, and on the
-    CPU, the barrier costs nothing: it only orders operations.
+    graph. Behind the barrier XLA copies the slice on the device instead, inside the graph. Measured on an
+    H200 (docs/profiles.md, ``python -m benchmarks.profile_fence``): a 200-step scan fwd+bwd step of a
+    4096-element kernel went from 21-26 µs to 15 µs (pure JAX in the same process: 12-16 µs). Outside
+    loops, and on the CPU, the barrier costs nothing: it only orders operations.
     """
     return list(jax.lax.optimization_barrier(tuple(values))) if values else list(values)
 
@@ -339,12 +340,8 @@ def _differentiable_call_fwd(plan, *primals):
     # Inputs JAX does not differentiate (constants, stop_gradient, parameters outside the grad) get no
     # adjoint buffer: Warp skips the atomic adds into them, and nothing is zeroed for them.
     constant = frozenset(spec.name for spec, p in zip(plan.sig.array_inputs, primals) if not p.perturbed)
-    adjoint_plan = dataclasses.replace(plan, sig=plan.sig.without_adjoints(constant & _float_names(plan.sig)))
+    adjoint_plan = dataclasses.replace(plan, sig=plan.sig.without_adjoints(constant))
     return outputs, (arrays, kept, _Static(adjoint_plan))
-
-
-def _float_names(sig: KernelSignature) -> frozenset[str]:
-    return frozenset(spec.name for spec in sig.array_inputs if spec.is_float)
 
 
 def _differentiable_call_bwd(plan, residuals, cotangents):

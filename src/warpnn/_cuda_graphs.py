@@ -4,11 +4,11 @@ XLA records FFI calls declared command-buffer compatible (warpnn's forward and a
 graphs, but with its default flags it does so only for runs of at least
 ``--xla_gpu_graph_min_graph_size`` (5) operations, and it caches at most
 ``--xla_cmd_buffer_trace_cache_size`` (16) recorded traces of each FFI call, one per set of buffer
-addresses. A typical model step (one Warp call between a few fused ops) and a ``lax.scan``
-gradient (the backward reads a different slice of the saved residuals each step, so a different
-address set) miss both, and every execution calls back into the handler. Measured on an H200
-(docs/benchmarks-gpu.md): with ``enable_cuda_graph_capture()`` a fwd+bwd ``lax.scan`` step of a trivial
-kernel went from 27.6 µs to 13.4 µs, with handler entries from 500 to 2.5 per 1000 launches.
+addresses. A typical model step (one Warp call between a few fused ops) has shorter runs than that, and
+every execution calls back into the handler. ``lax.scan`` bodies are long enough once warpnn's calls sit
+behind an optimization barrier (``_bridge._fence``): measured on an H200, a fwd+bwd scan replays from graphs
+with the default flags (0.1 handler entries per 1000 launches, 500 before the barrier), and a trace cache
+of 16 suffices for it, since each call then sees the same buffers every step.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ def enable_cuda_graph_capture(min_graph_size: int = 1, trace_cache_size: int = 1
     """Set the XLA flags under which Warp calls are replayed from CUDA graphs; call before JAX starts.
 
     Costs: XLA compiles graphs for short op sequences too (slightly longer first calls), and keeps up to
-    ``trace_cache_size`` small recorded graphs per FFI call site in GPU memory (a ``lax.scan`` over T
-    steps needs about T of them to replay its backward without calling back). On the CPU it changes
-    nothing.
+    ``trace_cache_size`` small recorded graphs per FFI call site in GPU memory, one per set of buffer
+    addresses the call has seen (its operands live in new places whenever the caller passes new arrays;
+    the default keeps that from ever calling back). On the CPU it changes nothing.
 
     Args:
         min_graph_size: smallest number of operations XLA puts into a CUDA graph (XLA's default: 5).
-        trace_cache_size: recorded traces kept per FFI call site (XLA's default: 16). Set it above the
-            longest ``lax.scan`` you differentiate.
+        trace_cache_size: recorded traces kept per FFI call site (XLA's default: 16). Raise it if
+            ``python -m benchmarks.graph_capture``-style counts of handler entries stay high.
 
     Returns:
         The new value of ``XLA_FLAGS``.

@@ -119,8 +119,10 @@ class KernelSignature:
 
         The launchers pass Warp a null adjoint array for them, and Warp's adjoint kernel skips the atomic
         adds into a null array, so an input that is not differentiated costs no memory traffic backward.
+        Names of inputs that have no adjoint anyway (integer arrays, scalars) are ignored.
         """
-        names = frozenset(names) | self.constant_inputs
+        differentiable = {a.name for a in self.inputs if a.is_array and a.is_float}
+        names = (frozenset(names) & differentiable) | self.constant_inputs
         if names == self.constant_inputs:
             return self
         base = self._base
