@@ -58,19 +58,29 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / min(times)
 
 
-def bench_springs(n: int) -> list[dict]:
-    """Spring forces at n x n particles, springs in row order and (for comparison) in kind-by-kind order."""
-    key = jax.random.PRNGKey(0)
+def spring_problem(n: int, order: str = "rows"):
+    """The benchmarked spring problem on an n x n grid: ``(x, v, springs, k, d, r, w)``.
+
+    Positions on a slightly jittered grid, small random velocities, per-spring stiffness ``k``, damping
+    ``d`` and rest length ``r``, and ``w``, fixed random weights that turn the forces into a scalar loss.
+    """
     gx, gy = jnp.meshgrid(jnp.arange(n, dtype=jnp.float32), jnp.arange(n, dtype=jnp.float32), indexing="ij")
     x = jnp.stack([gx.ravel(), jnp.zeros(n * n), gy.ravel()], 1) * 0.01
-    x = x + 1e-3 * jax.random.normal(key, x.shape)
+    x = x + 1e-3 * jax.random.normal(jax.random.PRNGKey(0), x.shape)
     v = 1e-2 * jax.random.normal(jax.random.PRNGKey(1), x.shape)
     w = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+    springs = grid_springs(n, order)
+    m = springs.shape[0]
+    k, d, r = jnp.full((m,), 100.0), jnp.full((m,), 0.1), jnp.full((m,), 0.01)
+    return x, v, springs, k, d, r, w
+
+
+def bench_springs(n: int) -> list[dict]:
+    """Spring forces at n x n particles, springs in row order and (for comparison) in kind-by-kind order."""
     rows = []
     for order, suffix in (("rows", ""), ("kinds", ", kind-by-kind order")):
-        springs = grid_springs(n, order)
+        x, v, springs, k, d, r, w = spring_problem(n, order)
         m = springs.shape[0]
-        k, d, r = jnp.full((m,), 100.0), jnp.full((m,), 0.1), jnp.full((m,), 0.01)
         for name, fn in (("warpnn", cloth.spring_forces), ("pure JAX", cloth.spring_forces_reference)):
             fwd = jax.jit(lambda x, v, k, d, r, fn=fn, s=springs: fn(x, v, s, k, d, r))
             grad = jax.jit(jax.grad(lambda x, v, k, d, r, fn=fn, s=springs: jnp.vdot(w, fn(x, v, s, k, d, r)),

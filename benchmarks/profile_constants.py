@@ -20,7 +20,7 @@ from warpnn import _signature
 from warpnn.kernels import cloth, pointcloud
 
 from .common import device_time, fmt_us, time_call
-from .models import grid_springs
+from .models import spring_problem
 
 
 @contextlib.contextmanager
@@ -36,13 +36,8 @@ def _skipping(enabled: bool):
 
 def cases(small: bool):
     n, points = (256, 5000) if small else (2048, 100_000)
-    gx, gy = jnp.meshgrid(jnp.arange(n, dtype=jnp.float32), jnp.arange(n, dtype=jnp.float32), indexing="ij")
-    x = jnp.stack([gx.ravel(), jnp.zeros(n * n), gy.ravel()], 1) * 0.01
-    v = 1e-2 * jax.random.normal(jax.random.PRNGKey(1), x.shape)
-    w = jax.random.normal(jax.random.PRNGKey(2), x.shape)
-    springs = grid_springs(n)
+    x, v, springs, k, d, r, w = spring_problem(n)
     m = springs.shape[0]
-    k, d, r = jnp.full((m,), 100.0), jnp.full((m,), 0.1), jnp.full((m,), 0.01)
     springs_loss = lambda x, v, k, d, r: jnp.vdot(w, cloth.spring_forces(x, v, springs, k, d, r))  # noqa: E731
     a = jax.random.normal(jax.random.PRNGKey(3), (points, 3))
     b = jax.random.normal(jax.random.PRNGKey(4), (points, 3)) * 1.1 + 0.05

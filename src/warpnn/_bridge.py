@@ -123,8 +123,9 @@ def jax_kernel(
     Unlike ``wp.jax_kernel`` it is always differentiable (reverse mode, through Warp's adjoint kernels,
     with respect to every float array input; the adjoint launch computes only those JAX differentiates in
     the call, so constant inputs cost nothing backward), zeroes outputs before launching (so
-    ``wp.atomic_add`` accumulators are right), honours ``launch_dims`` / ``output_dims`` per output, and under ``vmap`` launches the kernel per
-    batch element, which keeps kernels whose threads touch other elements (gathers, scatters) correct.
+    ``wp.atomic_add`` accumulators are right), honours ``launch_dims`` / ``output_dims`` per output, and
+    under ``vmap`` launches the kernel per batch element, which keeps kernels whose threads touch other
+    elements (gathers, scatters) correct.
 
     Example::
 

@@ -267,7 +267,7 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
 
     n_in, n_out = len(sig.array_inputs), len(sig.outputs)
     array_index = {s.name: k for k, s in enumerate(sig.array_inputs)}
-    float_in_index = {s.name: m for m, s in enumerate(sig.adjoint_inputs)}  # inputs with an adjoint
+    adjoint_index = {s.name: m for m, s in enumerate(sig.adjoint_inputs)}  # inputs with an adjoint
     float_out_index = {s.name: f for f, s in enumerate(sig.float_outputs)}
     rows, attr_names = [], []
     for i, s in enumerate(params):
@@ -284,7 +284,7 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
             grad = n_in + n_out + float_out_index[s.name] + 1 if s.is_float else 0
         else:
             fwd = adj = array_index[s.name] + 1
-            grad = -(float_in_index[s.name] + 1) if s.name in float_in_index else 0  # null: no adjoint
+            grad = -(adjoint_index[s.name] + 1) if s.name in adjoint_index else 0  # null: no adjoint
         inner = int(np.prod(s.inner_shape, dtype=np.int64))
         if s.dtype.itemsize * inner != wc.type_size_in_bytes(s.warp_dtype):
             raise NativeUnavailable(f"kernel '{sig.key}', argument '{s.name}': element size mismatch")
