@@ -144,7 +144,7 @@ class WarpKernel:
                 scalars as static Python numbers.
             launch_dims: overrides the constructor's; default: the Warp shape of the first array input.
             output_dims: overrides the constructor's; an int, a tuple, or a dict keyed by output name,
-                in Warp dims (``(n,)`` for a vec3 array) or full JAX dims (``(n, 3)``). Default: ``launch_dims``.
+                in Warp dims (``(n,)`` for a vec3 array) or full JAX dims (``(n, 3)``). Default: ``launch_dims`` (for an output of another rank: the shape of the first array input of its rank).
             vmap_method: overrides the constructor's (see :func:`jax_kernel`).
 
         Returns:
@@ -166,9 +166,12 @@ class WarpKernel:
         dims = _normalize_dims(dims, "launch_dims", sig)
         wc.validate_launch_bounds(dims, sig.kernel, self.block_dim)
         out_dims = output_dims if output_dims is not None else self.output_dims
-        out_shapes = _resolve_output_shapes(sig, dims if out_dims is None else out_dims, dims)
+        if out_dims is None:
+            out_dims = _default_output_dims(sig, dims, args)
+        out_shapes = _resolve_output_shapes(sig, out_dims, dims)
         _check_launch_fits(sig, dims, {s.name: a.shape for s, a in zip(call_sig.array_inputs, arrays)},
                            dict(zip(sig.output_names, out_shapes)))
+        _check_platform(sig)
         _preload(sig, self.module_preload_mode)
         plan = _CallPlan(call_sig, scalars, dims, out_shapes, self.has_side_effect, self.enable_backward)
         # Under shard_map, every operand must vary over the same mesh axes before the custom VJP, so that the
@@ -322,6 +325,15 @@ def _check_launch_fits(sig: KernelSignature, dims, input_shapes: Mapping[str, tu
             )
 
 
+def _check_platform(sig: KernelSignature) -> None:
+    if jax.default_backend() == "cpu" and not wp.is_cpu_available():
+        raise RuntimeError(
+            f"Kernel '{sig.key}': JAX computes on the CPU, but this Warp build does not include CPU support (its CPU "
+            "compiler library is missing). Install a warp-lang wheel with CPU support, or run the call on a GPU "
+            "(jax.default_device)."
+        )
+
+
 def _preload(sig: KernelSignature, mode) -> None:
     """Warp's module preload modes; the launchers always load on the devices a call is traced for."""
     if mode is None or getattr(mode, "name", mode) in ("CURRENT_DEVICE", "NONE"):
@@ -432,6 +444,27 @@ def _normalize_dims(dims, what: str, sig: KernelSignature) -> tuple[int, ...]:
         raise ValueError(
             f"Kernel '{sig.key}': {what}={dims} must have 1 to {_MAX_LAUNCH_DIMS} non-negative entries."
         )
+    return dims
+
+
+def _default_output_dims(sig: KernelSignature, launch_dims, args) -> dict[str, tuple[int, ...]]:
+    """Each output's default Warp shape: the launch dims, or, for an output of another rank (a 3-D launch over a
+    4-D array that the kernel loops over, say), the Warp shape of the first array input of the output's rank
+    (``wp.jax_kernel``'s rule with ``enable_backward=True``)."""
+    dims = {}
+    for spec in sig.outputs:
+        if spec.warp_ndim == len(launch_dims):
+            dims[spec.name] = tuple(launch_dims)
+            continue
+        same_rank = next((np.shape(a)[: s.warp_ndim] for s, a in zip(sig.inputs, args)
+                          if s.is_array and a is not None and s.warp_ndim == spec.warp_ndim), None)
+        if same_rank is None:
+            raise ValueError(
+                f"Kernel '{sig.key}': output '{spec.name}' has {spec.warp_ndim} Warp dims but the launch "
+                f"{tuple(launch_dims)} has {len(launch_dims)}, and no array input has its rank to take its shape "
+                f"from. Pass output_dims={{'{spec.name}': (...)}}."
+            )
+        dims[spec.name] = tuple(same_rank)
     return dims
 
 

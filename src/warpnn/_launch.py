@@ -105,7 +105,7 @@ class _LoadedKernel:
         block_dim = wc.resolve_block_dim(device, block_dim)
         module_exec = kernel.module.load(device, block_dim)
         if module_exec is None:
-            raise RuntimeError(f"Warp could not build module '{kernel.module.name}' for {device}")
+            raise RuntimeError(f"Failed to load Warp module '{kernel.module.name}' on device '{device}' (kernel '{kernel.key}')")
         # Keep the module loaded: if Warp rebuilds it (a kernel added to the same Python module later),
         # dropping this reference would unload the code `hooks` points into.
         self.module_exec = module_exec

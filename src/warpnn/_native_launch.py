@@ -428,7 +428,7 @@ class NativeLauncher:
         # The same module variant as PythonLauncher (_launch.load_kernel): block_dim 1 on the CPU, 256 on CUDA.
         module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, sig.block_dim))
         if module_exec is None:
-            raise RuntimeError(f"Warp could not build module '{sig.kernel.module.name}' for {device}")
+            raise RuntimeError(f"Failed to load Warp module '{sig.kernel.module.name}' on device '{device}' (kernel '{sig.key}')")
         return module_exec
 
     def _set_entry(self, kid: int, sig: KernelSignature, device) -> None:

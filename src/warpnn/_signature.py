@@ -668,12 +668,12 @@ def signature_of(kernel: Any, num_outputs: int, in_out_argnames=(), block_dim: i
     params = kernel.adj.args
     labels = [a.label for a in params]
     if len(set(in_out_argnames)) != len(in_out_argnames):
-        raise ValueError(f"Kernel '{kernel.key}': in_out_argnames={list(in_out_argnames)} names an argument twice.")
+        raise ValueError(f"Kernel '{kernel.key}': in_out_argnames={list(in_out_argnames)} names an argument twice (in_out_argnames must not contain duplicate names).")
     unknown = [n for n in in_out_argnames if n not in labels]
     if unknown:
         raise ValueError(
-            f"Kernel '{kernel.key}': in_out_argnames {unknown} are not parameters of the kernel; its parameters are "
-            f"{labels}."
+            f"Kernel '{kernel.key}': in_out_argnames {unknown} are not parameters of the kernel (they did not match any "
+            f"function argument names); its parameters are {labels}."
         )
     n_in_out = len(in_out_argnames)
     if (not isinstance(num_outputs, int) or isinstance(num_outputs, bool)
@@ -690,7 +690,8 @@ def signature_of(kernel: Any, num_outputs: int, in_out_argnames=(), block_dim: i
         if spec.name in in_out_argnames:
             raise ValueError(
                 f"Kernel '{kernel.key}': in-out argument '{spec.name}' comes after the inputs. As in wp.jax_kernel, "
-                f"in-out arrays are passed as inputs, so they must precede the {n_pure} pure output(s) "
+                f"in-out arrays are passed as inputs, so they must precede the {n_pure} pure output(s) (in_out "
+                f"arguments should be placed before output-only arguments) "
                 f"{[o.name for o in outputs]} in the kernel signature; with num_outputs={num_outputs} and "
                 f"{n_in_out} in-out array(s), the pure outputs are the last {n_pure} parameters."
             )
