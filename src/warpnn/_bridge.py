@@ -249,6 +249,8 @@ def jax_kernel(
         kernel, num_outputs, vmap_method, _hashable(launch_dims), _hashable(output_dims),
         tuple(in_out_argnames) if in_out_argnames else None, module_preload_mode,
         True if enable_backward is None else bool(enable_backward), bool(has_side_effect), block_dim,
+        # an explicit block_dim means more than one CPU thread per block only with CPU blocks on
+        bool(wp.config.enable_cpu_blocks) if block_dim is not None else None,
     )
     try:
         hash(key)
@@ -332,6 +334,11 @@ def _check_launch_fits(sig: KernelSignature, dims, input_shapes: Mapping[str, tu
 
 
 def _check_platform(sig: KernelSignature) -> None:
+    if jax.default_backend() == "gpu" and not wc.runtime().is_cuda_enabled:
+        raise RuntimeError(
+            f"Kernel '{sig.key}': JAX computes on a GPU, but this Warp build does not include CUDA support. Install "
+            "a warp-lang wheel built with CUDA, or run the call on the CPU (jax.default_device)."
+        )
     if jax.default_backend() == "cpu" and not wp.is_cpu_available():
         raise RuntimeError(
             f"Kernel '{sig.key}': JAX computes on the CPU, but this Warp build does not include CPU support (its CPU "

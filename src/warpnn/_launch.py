@@ -127,7 +127,7 @@ _LOADED: dict[tuple[int, Any, Any], _LoadedKernel] = {}
 
 def load_kernel(kernel, device, block_dim=None) -> _LoadedKernel:
     """Load (once per device and block dim) the Warp module holding ``kernel``; also used at trace time to preload."""
-    key = (id(kernel), device.context if device.is_cuda else "cpu", block_dim)
+    key = (id(kernel), device.context if device.is_cuda else "cpu", wc.resolve_block_dim(device, block_dim))
     loaded = _LOADED.get(key)
     if loaded is None:
         loaded = _LOADED[key] = _LoadedKernel(kernel, device, block_dim)

@@ -64,7 +64,7 @@ ADJOINT_TARGET = "warpnn_native_adjoint"
 KERNEL_ID_ATTR = "kernel_id"
 
 # Columns of the parameter table (must match the P_* enum in warpnn_ffi.c).
-_P_NCOLS = 14
+_P_NCOLS = 15
 _KIND_INT, _KIND_UINT, _KIND_FLOAT, _KIND_HALF, _KIND_BOOL, _KIND_BF16 = range(6)
 
 # Warp's array_t as the C side mirrors it: (field, offset); checked against warp's ctypes definition.
@@ -266,6 +266,10 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
               for s in top]
     args_struct = type("ArgsStruct", (ctypes.Structure,), {"_fields_": fields})
     params = (*sig.input_leaves, *sig.outputs)  # one table row per array or scalar, struct fields included
+    first_leaves = {id(a.leaves[0]) for a in top if a.leaves}
+
+    def starts_param(leaf) -> int:
+        return int(id(leaf) in first_leaves)  # a struct's first field lies at the struct's own offset
 
     def field_offset(leaf) -> int:
         # a struct field's offset: its parameter's, plus the offset of each field on its path
@@ -291,7 +295,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         offset = field_offset(s)
         if not s.is_array:
             ctype = s.warp_type._type_
-            rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype), 0, 0, 0])
+            rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype), 0, 0, 0,
+                         starts_param(s)])
             attr_names.append((SCALAR_ATTR_PREFIX + s.name).encode())
             continue
         if s.name in sig.null_inputs:
@@ -315,7 +320,7 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         # carried adjoints, and struct fields (Warp's adjoint of a struct's array accumulates into its `grad`)
         grad_alias = int(s.name in carried or ("." in s.name and s.name in adjoint_result))
         rows.append([1, offset, s.warp_ndim, s.jax_ndim, s.dtype.itemsize, inner, fwd, adj, grad, 0, 0,
-                     fully_written, preset, grad_alias])
+                     fully_written, preset, grad_alias, starts_param(s)])
         attr_names.append(None)
 
     kernel_dim = kernel.adj.kernel_dim
