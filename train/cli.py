@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prog}: error: {type(e).__name__}: {e} (--verbose shows the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if getattr(args, "run_dir", None) is not None:
+            args.run_dir.close()
     scalars = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items())
                         if isinstance(v, (int, float)) and not isinstance(v, bool))
     print(f"wrote {args.out}/ ({scalars})")

@@ -106,6 +106,12 @@ class RunDir:
         except (OSError, ValueError) as e:
             raise UsageError(f"--out {self.path}: cannot read {RUN_FILE} ({e}); use --overwrite or another --out") from e
 
+    def close(self) -> None:
+        """Release the folder (the end of the run; a process that exits releases it too)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
     def __truediv__(self, name: str) -> Path:
         return self.path / name
 
