@@ -9,7 +9,9 @@ block marked, on the line before its fence, with
 - ``<!-- test: own-process -->`` runs alone in its own fresh process (e.g. code that must run before JAX
   starts).
 
-A failure names the file and line of the block (tracebacks point into the Markdown file).
+A block whose only line is a snippet include, ``--8<-- "examples/x.py"`` (how the site renders a whole
+file), runs that file. A failure names the file and line of the block (tracebacks point into the Markdown
+file).
 """
 
 import os
@@ -24,6 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
+INCLUDE = re.compile(r'^--8<--\s+"(?P<path>[^":]+)"\s*$')
 MARKER = re.compile(r"^\s*<!--\s*(?P<kind>skip-test|test)\s*:\s*(?P<value>.*?)\s*-->\s*$")
 
 
@@ -45,7 +48,13 @@ def blocks(page: Path) -> list[dict]:
             marker = MARKER.match(previous)
             code = textwrap.dedent("\n".join(line[indent:] if line[:indent].isspace() else line
                                              for line in lines[start + 1 : i]))
-            found.append({"line": start + 2, "code": code,
+            # Warp reads a kernel's source back from the file and line that the code object names, so code runs
+            # compiled as the file it is in: the Markdown page, or the included file.
+            include = INCLUDE.match(code.strip())
+            source, first_line = (ROOT / include["path"], 1) if include else (page, start + 2)
+            if include:
+                code = source.read_text()
+            found.append({"line": start + 2, "code": code, "source": str(source), "first_line": first_line,
                           "skip": marker["value"] if marker and marker["kind"] == "skip-test" else None,
                           "own_process": bool(marker and marker["kind"] == "test" and marker["value"] == "own-process")})
         i += 1
@@ -69,7 +78,7 @@ def _run(page: str, session: list[dict], cwd: Path) -> subprocess.CompletedProce
     for b in session:
         script.append(f"print('--- {page}:{b['line']}', flush=True)")
         # Blank lines before the code make the Markdown line numbers the traceback's line numbers.
-        script.append(f"exec(compile({chr(10) * (b['line'] - 1) + b['code']!r}, {str(ROOT / page)!r}, 'exec'), "
+        script.append(f"exec(compile({chr(10) * (b['first_line'] - 1) + b['code']!r}, {b['source']!r}, 'exec'), "
                       "namespace)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-c", "\n".join(script)], cwd=cwd, env=env, capture_output=True,
@@ -97,6 +106,7 @@ def test_the_block_finder_finds_markers(tmp_path):
     page.write_text("text\n\n```python\na = 1\n```\n\n<!-- skip-test: needs a GPU to run -->\n```python\nb\n```\n"
                     "<!-- test: own-process -->\n\n```python\nc = 3\n```\n  ```python\n  d = 4\n  ```\n```bash\nls\n```\n")
     found = blocks(page)
+    assert all(b["source"] == str(page) and b["first_line"] == b["line"] for b in found)
     assert [(b["line"], b["code"], b["skip"], b["own_process"]) for b in found] == [
         (4, "a = 1", None, False), (9, "b", "needs a GPU to run", False), (14, "c = 3", None, True),
         (17, "d = 4", None, False)]
