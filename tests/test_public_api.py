@@ -11,7 +11,7 @@ import pytest
 import warpnn
 
 PUBLIC_MODULES = ["warpnn", "warpnn.equinox", "warpnn.nnx", "warpnn.linen", "warpnn.kernels", "warpnn.kernels.cloth",
-                  "warpnn.kernels.mesh", "warpnn.kernels.pointcloud", "warpnn_models", "warpnn_models.cloth",
+                  "warpnn.kernels.mesh", "warpnn.kernels.pointcloud", "warpnn.kernels.tiles", "warpnn_models", "warpnn_models.cloth",
                   "warpnn_models.mesh", "warpnn_models.pointcloud"]
 
 
