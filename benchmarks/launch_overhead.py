@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=200, help="calls per timed round")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (median reported)")
     args = parser.parse_args(argv)
-    wp.config.quiet = True
+    wp.config.log_level = wp.LOG_WARNING  # Warp 1.19: no banner or module-load lines
     results = measure(args.n, args.reps, args.rounds)
     rows = {k: v for k, v in results.items() if isinstance(v, float)}
     for case in ("fwd", "fwd+bwd", f"chain{CHAIN}"):
