@@ -16,4 +16,18 @@ from ._io import atomic_write_bytes as atomic_write_bytes
 # Layers for each framework are submodules, imported on demand so that warpnn needs neither Flax nor
 # Equinox to import: warpnn.equinox.WarpLayer, warpnn.nnx.WarpLayer, warpnn.linen.WarpLayer.
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it from here
+
+# Every public name, for `from warpnn import *`, help(warpnn) and the API reference (docs/api/warpnn.md
+# renders exactly these). Add a name here when you re-export it above.
+__all__ = [
+    "SECOND_ORDER_MESSAGE",
+    "Binding",
+    "WarpKernel",
+    "atomic_write",
+    "atomic_write_bytes",
+    "bind",
+    "enable_cuda_graph_capture",
+    "jax_kernel",
+    "jax_warp_device",
+]

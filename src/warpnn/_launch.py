@@ -38,6 +38,7 @@ import warp as wp
 
 from . import _warp_compat as wc
 from ._devices import trace_devices
+from ._ffi_attrs import LAUNCH_DIMS_ATTR, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature
 
 ffi = wc.xla_ffi
@@ -46,9 +47,6 @@ _PLATFORMS = ("cpu", "CUDA")  # JAX platform names for register_ffi_target are c
 # XLA may call handlers from several threads (one per device); Warp's module loading is not thread-safe.
 _HANDLER_LOCK = threading.Lock()
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(ffi.XLA_FFI_CallFrame))
-
-SCALAR_ATTR_PREFIX = "arg_"
-LAUNCH_DIMS_ATTR = "launch_dims"
 
 
 class _Buffer:

@@ -50,7 +50,7 @@ import warp as wp
 
 from . import _warp_compat as wc
 from ._devices import trace_devices
-from ._launch import SCALAR_ATTR_PREFIX
+from ._ffi_attrs import SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature
 
 ABI_VERSION = 3  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
