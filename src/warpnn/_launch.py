@@ -96,17 +96,19 @@ def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):
 class _LoadedKernel:
     """A kernel's entry points on one device, plus launch bounds cached per launch dims."""
 
-    __slots__ = ("module_exec", "hooks", "block_dim", "_bounds")
+    __slots__ = ("kernel", "module_exec", "hooks", "block_dim", "_bounds")
 
     def __init__(self, kernel, device):
+        self.kernel = kernel  # _LOADED is keyed by id(kernel): keep the id from being reused
         # Warp's FFI convention: one thread per block on the CPU (cooperative blocks are far slower
         # for plain kernels), 256 on CUDA.
         block_dim = wc.resolve_block_dim(device, None)
         module_exec = kernel.module.load(device, block_dim)
         if module_exec is None:
             raise RuntimeError(f"Warp could not build module '{kernel.module.name}' for {device}")
-        # Keep the module loaded: if Warp rebuilds it (a kernel added to the same Python module later),
-        # dropping this reference would unload the code `hooks` points into.
+        # Keep the module loaded for the life of the process: if Warp rebuilds it (a kernel added to the same
+        # Python module later), this launcher goes on launching this ModuleExec's code, and dropping the last
+        # reference would unload the code `hooks` points into. (_LOADED entries are never replaced.)
         self.module_exec = module_exec
         self.hooks = module_exec.get_kernel_hooks(kernel)
         self.block_dim = module_exec.block_dim
@@ -122,6 +124,8 @@ class _LoadedKernel:
 
 
 _LOADED: dict[tuple[int, Any], _LoadedKernel] = {}
+# Tracing threads and handler threads may load at once; Warp's module loading is not thread-safe.
+_LOAD_LOCK = threading.RLock()
 
 
 def load_kernel(kernel, device) -> _LoadedKernel:
@@ -129,7 +133,10 @@ def load_kernel(kernel, device) -> _LoadedKernel:
     key = (id(kernel), device.context if device.is_cuda else "cpu")
     loaded = _LOADED.get(key)
     if loaded is None:
-        loaded = _LOADED[key] = _LoadedKernel(kernel, device)
+        with _LOAD_LOCK:
+            loaded = _LOADED.get(key)
+            if loaded is None:
+                loaded = _LOADED[key] = _LoadedKernel(kernel, device)
     return loaded
 
 

@@ -1,0 +1,100 @@
+"""Lifetime of the code the launchers run: calls executing on other threads while Warp rebuilds the module.
+
+A kernel added later to the same Python module (a notebook cell, a file edited and re-imported) makes Warp
+rebuild that module; the next trace of a warpnn call then loads the rebuilt code. A call of an executable
+compiled earlier may be running the old code on another thread at that moment: the launchers must keep it
+loaded (the native launcher used to let the old ModuleExec go, whose destructor unloaded the code under the
+running handler: SIGSEGV). These checks run in a subprocess, which must exit cleanly, for both launchers, on
+whatever backend JAX picks (CPU here, CUDA on a GPU machine).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+KERNELS = '''
+import warp as wp
+
+@wp.kernel
+def slow_scale(x: wp.array(dtype=float), iters: int, y: wp.array(dtype=float)):
+    i = wp.tid()
+    acc = float(0.0)
+    for k in range(iters):  # a long-running launch: a wide window for the reload to hit
+        acc += wp.sin(x[i] + float(k))
+    y[i] = 2.0 * x[i] + acc * 0.0
+
+def add_kernel(r):
+    """A new kernel in slow_scale's Warp module: Warp rebuilds the module on its next load."""
+    def added(x: wp.array(dtype=float)):
+        x[wp.tid()] = float(1.0)
+    return wp.Kernel(added, key=f"added_{r}", module=slow_scale.module)
+'''
+
+STRESS = '''
+import gc, sys, threading
+import jax, jax.numpy as jnp, numpy as np, warp as wp
+wp.config.quiet = True
+import warpnn
+from warpnn import _launch
+import stress_kernels as mod
+
+gpu = jax.default_backend() == "gpu"
+n, iters, rounds = (1 << 20, 400, 8) if gpu else (4096, 1500, 4)
+f = warpnn.jax_kernel(mod.slow_scale)
+x = jnp.arange(n, dtype=jnp.float32) / n
+expected = np.asarray(2.0 * x)
+step = jax.jit(lambda x: f(x, iters)[0])  # compiled once; the callers run this executable throughout
+np.asarray(step(x))
+launcher = _launch.LAUNCHER.impl
+
+stop, failures, calls = threading.Event(), [], [0]
+def caller():
+    try:
+        while not stop.is_set():
+            if not np.array_equal(np.asarray(step(x)), expected):
+                failures.append("wrong result")
+            calls[0] += 1
+    except Exception as e:  # noqa: BLE001 - reported below
+        failures.append(repr(e))
+
+threads = [threading.Thread(target=caller) for _ in range(3)]
+for t in threads:
+    t.start()
+loads = 0
+for r in range(rounds):
+    mod.add_kernel(r)
+    # A retrace (new scalar: a new executable) loads the rebuilt module and registers its code with the
+    # launcher while the callers are inside the old code.
+    out = np.asarray(jax.jit(lambda x: f(x, iters + r)[0])(x))
+    assert np.array_equal(out, expected), r
+    gc.collect()
+stop.set()
+for t in threads:
+    t.join()
+assert not failures, failures[:3]
+assert calls[0] >= 3, calls[0]
+# Each round really rebuilt the module: the launcher saw a new ModuleExec every time.
+if type(launcher).__name__ == "NativeLauncher":
+    assert len(launcher._retired) >= rounds, len(launcher._retired)
+print("clean", _launch.LAUNCHER.name, calls[0], flush=True)
+'''
+
+
+@pytest.mark.parametrize("launcher", ["python", "native"])
+def test_calls_survive_module_rebuilds_on_other_threads(tmp_path, launcher):
+    """3 threads run a compiled executable while the main thread adds kernels to its Warp module and retraces."""
+    (tmp_path / "stress_kernels.py").write_text(KERNELS)
+    script = tmp_path / "stress.py"
+    script.write_text(textwrap.dedent(STRESS))
+    env = {**os.environ, "WARPNN_LAUNCHER": launcher}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    if launcher == "native" and "native launcher is unavailable" in out.stderr:
+        pytest.skip("native launcher unavailable")
+    assert out.returncode == 0, f"exit {out.returncode} (negative: killed by that signal)\n{out.stdout}\n{out.stderr[-3000:]}"
+    assert f"clean {launcher}" in out.stdout
