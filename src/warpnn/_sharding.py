@@ -106,6 +106,7 @@ class _CallSpec:
     result_dtypes: tuple[str, ...]
     attrs: tuple[tuple[str, Any], ...]
     batch_shape: tuple[int, ...] = ()
+    name: str = ""  # what errors call it, e.g. "warpnn kernel 'springs' (adjoint)"
 
     @property
     def num_batch(self) -> int:
@@ -141,15 +142,17 @@ def ffi_call(
     result_types: Sequence[jax.ShapeDtypeStruct],
     operands: Sequence[jax.Array],
     attrs: dict[str, Any],
+    name: str = "",
 ) -> list[jax.Array]:
     """``jax.ffi.ffi_call(target, result_types, vmap_method="expand_dims")(*operands, **attrs)``, as a
     primitive that shards its ``vmap`` batch dimensions under ``jax.jit`` and types its outputs under
-    ``shard_map``."""
+    ``shard_map``. ``name`` says what the call is in errors (``jax_debug_nans``)."""
     spec = _CallSpec(
         target,
         tuple(tuple(int(d) for d in t.shape) for t in result_types),
         tuple(np.dtype(t.dtype).str for t in result_types),
-        tuple((name, _freeze(value)) for name, value in sorted(attrs.items())),
+        tuple((key, _freeze(value)) for key, value in sorted(attrs.items())),
+        name=name,
     )
     if _UNAVAILABLE is not None or not operands:  # nothing to shard without operands
         if _UNAVAILABLE is not None:
@@ -191,7 +194,36 @@ def _jitted(spec: _CallSpec):
 
 
 def _impl(*operands, spec):
-    return _jitted(spec)(*operands)
+    """Eager execution: the call compiled on its own, as JAX runs any primitive outside ``jit``.
+
+    Under ``jax_debug_nans`` / ``jax_debug_infs`` JAX checks a jitted function's outputs and, on a NaN, calls
+    the function again "de-optimised", which for this jit of a bind of the primitive is this impl again:
+    ``RecursionError``. So the check is done here instead, with JAX's turned off for the inner call, and
+    raises JAX's own error naming the Warp kernel. (A NaN made inside a ``jax.jit`` is found by JAX at the
+    jit's outputs; its de-optimised re-run executes this call eagerly and gets here.)
+    """
+    check = _special_values_checked()
+    if not check:
+        return _jitted(spec)(*operands)
+    with jax.debug_nans(False), jax.debug_infs(False):
+        outs = _jitted(spec)(*operands)
+    for index, out in enumerate(outs):
+        if not jnp.issubdtype(out.dtype, jnp.inexact):
+            continue
+        values = np.asarray(out)
+        for kind in check:
+            if (np.isnan(values) if kind == "nan" else np.isinf(values)).any():
+                raise FloatingPointError(
+                    f"invalid value ({kind}) encountered in {spec.name or spec.target} (result {index}: "
+                    f"{np.count_nonzero(np.isnan(values) if kind == 'nan' else np.isinf(values))} of {values.size} "
+                    f"values; jax_debug_{kind}s is on)"
+                )
+    return outs
+
+
+def _special_values_checked() -> tuple[str, ...]:
+    """Which of "nan" / "inf" JAX's debug flags ask every operation's outputs to be checked for."""
+    return tuple(k for k, flag in (("nan", jax.config.jax_debug_nans), ("inf", jax.config.jax_debug_infs)) if flag)
 
 
 def _abstract_eval(*avals, spec: _CallSpec):
