@@ -98,3 +98,67 @@ def test_calls_survive_module_rebuilds_on_other_threads(tmp_path, launcher):
         pytest.skip("native launcher unavailable")
     assert out.returncode == 0, f"exit {out.returncode} (negative: killed by that signal)\n{out.stdout}\n{out.stderr[-3000:]}"
     assert f"clean {launcher}" in out.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# Warp's deterministic mode: refused on CUDA (hidden launch parameters warpnn does not pass), fine on the CPU.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import warp as wp  # noqa: E402
+
+import warpnn  # noqa: E402
+from warpnn import _launch  # noqa: E402
+
+from . import kernels_for_tests as K  # noqa: E402
+from .helpers import assert_close  # noqa: E402
+
+# The springs scatter of kernels_for_tests, compiled in its own module in run-to-run deterministic mode.
+deterministic_springs = wp.kernel(
+    module="unique", module_options={"deterministic": wp.DeterministicMode.RUN_TO_RUN}
+)(K.spring_forces.func)
+
+
+def _springs_loss(forces):
+    def loss(pos, springs, stiffness, rest):
+        (f,) = forces(pos, springs, stiffness, rest, 1.0, launch_dims=springs.shape[0], output_dims=pos.shape[0])
+        return jnp.sum(f * jnp.sin(pos))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3)))
+
+
+def test_deterministic_mode_refusal_names_kernel_and_fix():
+    device = wp.get_device("cpu")
+    hooks = deterministic_springs.module.load(device, 1).get_kernel_hooks(deterministic_springs)
+    with pytest.raises(NotImplementedError, match=r"Kernel 'spring_forces'.*deterministic mode \(RUN_TO_RUN.*NOT_GUARANTEED"):
+        _launch.refuse_deterministic(deterministic_springs, hooks, on_cuda=True)
+    _launch.refuse_deterministic(deterministic_springs, hooks, on_cuda=False)  # CPU code has no hidden parameters
+    plain = K.spring_forces.module.load(device, 1).get_kernel_hooks(K.spring_forces)
+    _launch.refuse_deterministic(K.spring_forces, plain, on_cuda=True)  # not compiled deterministic: nothing to refuse
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path of a deterministic-mode kernel")
+@pytest.mark.parametrize("launcher", ["python", "native"])
+def test_deterministic_mode_kernel_runs_on_cpu_bitwise_reproducibly(launcher):
+    pos, springs, stiffness, rest = K.springs_case(32)
+    with _launch.use_launcher(launcher):
+        step = _springs_loss(warpnn.jax_kernel(deterministic_springs))
+        first, second = step(pos, springs, stiffness, rest), step(pos, springs, stiffness, rest)
+    ref = _springs_loss(lambda *a, **kw: (K.spring_forces_ref(*a[:5]),))(pos, springs, stiffness, rest)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), first, second)
+    jax.tree.map(lambda a, b: assert_close(a, b, 1e-4, 1e-5), first, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launcher", ["python", "native"])
+def test_deterministic_mode_is_refused_on_cuda_at_trace_time(launcher):
+    pos, springs, stiffness, rest = K.springs_case(32)
+    with _launch.use_launcher(launcher):
+        step = _springs_loss(warpnn.jax_kernel(deterministic_springs))
+        with pytest.raises(NotImplementedError, match=r"Kernel 'spring_forces'.*deterministic mode"):
+            step(pos, springs, stiffness, rest)
+        # The same kernel compiled without deterministic mode runs, and matches the pure-JAX reference.
+        got = _springs_loss(warpnn.jax_kernel(K.spring_forces))(pos, springs, stiffness, rest)
+    ref = _springs_loss(lambda *a, **kw: (K.spring_forces_ref(*a[:5]),))(pos, springs, stiffness, rest)
+    jax.tree.map(lambda a, b: assert_close(a, b, 1e-4, 1e-5), got, ref)

@@ -93,6 +93,28 @@ def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):
     return ctype(0) if adjoint_slot else ctype(attrs[SCALAR_ATTR_PREFIX + spec.name])
 
 
+DETERMINISTIC_MESSAGE = (
+    "Kernel '{key}' was compiled in Warp's deterministic mode ({mode}, from wp.config.deterministic or its "
+    "module's 'deterministic' option) and uses atomics (its own, or its adjoint's accumulation into input "
+    "gradients). On CUDA, Warp launches such kernels through its own multi-pass launcher, with hidden kernel "
+    "parameters (a phase flag, an overflow flag, one scatter-record buffer per atomic target) and a "
+    "sort-reduce pass after the launch; warpnn's launchers do not provide them, and launching the kernel "
+    "without them would be undefined behaviour, so warpnn refuses. Fix: compile this kernel's module without "
+    "deterministic mode (wp.set_module_options({{'deterministic': wp.DeterministicMode.NOT_GUARANTEED}}) in "
+    "the Python module that defines it, or @wp.kernel(module_options={{'deterministic': "
+    "wp.DeterministicMode.NOT_GUARANTEED}})), or run it on the CPU, where Warp's atomics are sequential and "
+    "warpnn's results are bitwise reproducible from run to run."
+)
+
+
+def refuse_deterministic(kernel, hooks, on_cuda: bool) -> None:
+    """Raise if ``hooks`` are CUDA code that Warp's deterministic mode gave hidden parameters (see the message)."""
+    meta = getattr(hooks, "det_launch_meta", None)
+    if on_cuda and meta is not None and meta.needs_deterministic:
+        mode = getattr(meta.determinism_mode, "name", meta.determinism_mode)
+        raise NotImplementedError(DETERMINISTIC_MESSAGE.format(key=kernel.key, mode=mode))
+
+
 class _LoadedKernel:
     """A kernel's entry points on one device, plus launch bounds cached per launch dims."""
 
@@ -111,6 +133,7 @@ class _LoadedKernel:
         # reference would unload the code `hooks` points into. (_LOADED entries are never replaced.)
         self.module_exec = module_exec
         self.hooks = module_exec.get_kernel_hooks(kernel)
+        refuse_deterministic(kernel, self.hooks, device.is_cuda)
         self.block_dim = module_exec.block_dim
         self._bounds: dict[tuple[int, ...], Any] = {}
 

@@ -50,7 +50,7 @@ import warp as wp
 
 from . import _warp_compat as wc
 from ._devices import trace_devices
-from ._launch import SCALAR_ATTR_PREFIX
+from ._launch import _LOAD_LOCK, SCALAR_ATTR_PREFIX, refuse_deterministic
 from ._signature import ArgSpec, KernelSignature
 
 ABI_VERSION = 2  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
@@ -418,12 +418,11 @@ class NativeLauncher:
     @staticmethod
     def _load(sig: KernelSignature, device):
         # The same module variant as PythonLauncher (_launch.load_kernel): block_dim 1 on the CPU, 256 on CUDA.
-        from ._launch import _LOAD_LOCK  # one lock for both launchers: Warp's module loading is not thread-safe
-
-        with _LOAD_LOCK:
+        with _LOAD_LOCK:  # one lock for both launchers: Warp's module loading is not thread-safe
             module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, None))
         if module_exec is None:
             raise RuntimeError(f"Warp could not build module '{sig.kernel.module.name}' for {device}")
+        refuse_deterministic(sig.kernel, module_exec.get_kernel_hooks(sig.kernel), device.is_cuda)
         return module_exec
 
     def _set_entry(self, kid: int, sig: KernelSignature, device) -> None:
