@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from . import _sharding
+from . import _checked, _sharding
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
 
@@ -106,6 +106,8 @@ class WarpKernel:
         plan = _CallPlan(sig, scalars, dims, out_shapes)
         # Under shard_map, every operand must vary over the same mesh axes before the custom VJP, so that the
         # adjoint of a replicated parameter is psum-ed by JAX's transpose of pvary (a no-op elsewhere).
+        if _checked.is_checked():  # index-checked variant of the kernel (warpnn.checked())
+            return _checked.call(plan, _sharding.match_vma(arrays), _differentiable_call)
         return tuple(_differentiable_call(plan, *_sharding.match_vma(arrays)))
 
 
