@@ -57,3 +57,10 @@ def through_function(x: wp.array(dtype=float), y: wp.array(dtype=float)):
 def atomic_in_expression(x: wp.array(dtype=float), y: wp.array(dtype=float)):
     i = wp.tid()
     y[i] = 2.0 * wp.atomic_add(y, i, x[i])
+
+
+@wp.kernel
+def permute(x: wp.array(dtype=float), idx: wp.array(dtype=wp.int32), y: wp.array(dtype=float)):
+    """A store at a computed index: y[idx[i]] = x[i]."""
+    i = wp.tid()
+    y[idx[i]] = x[i]

@@ -131,11 +131,13 @@ gather = warpnn.jax_kernel(C.gather_rows)
 scatter = warpnn.jax_kernel(C.scatter_pairs)
 rows = warpnn.jax_kernel(C.grid_rows)
 slots = warpnn.jax_kernel(C.counter_slots, num_outputs=2)
+permute = warpnn.jax_kernel(C.permute)
 x, xv, v = jnp.arange(8.0), jnp.ones((4, 3)), jnp.ones(3)
 bad_idx = jnp.array([0, 9, 1], jnp.int32)
 grad_gather = lambda xv: jax.grad(lambda xv: gather(xv, bad_idx, 1.0, launch_dims=3, output_dims=3)[0].sum())(xv)
 cases = {
-    "write past the output": lambda: shifted(x, 1.0, 0, launch_dims=8, output_dims=4)[0],
+    "write past the output": lambda: shifted(x, 1.0, 0, launch_dims=8, output_dims=4)[0],  # caught at trace time
+    "store at a computed index": lambda: permute(x[:3], bad_idx, output_dims=4)[0],
     "read past the input": lambda: shifted(x, 1.0, 1)[0],
     "gather index": lambda: gather(xv, bad_idx, 1.0, launch_dims=3, output_dims=3)[0],
     "gather index under jit": lambda: jax.jit(lambda xv: gather(xv, bad_idx, 1.0, launch_dims=3, output_dims=3)[0])(xv),
@@ -159,7 +161,7 @@ print("RESULTS " + json.dumps({"launcher": _launch.LAUNCHER.name, "results": res
 '''
 
 EXPECTED = {
-    "write past the output": ("shifted_scale", "'y'", "write at index 4, but its shape is 4"),
+    "store at a computed index": ("permute", "'y'", "write at index 9, but its shape is 4"),
     "read past the input": ("shifted_scale", "'x'", "read at index 8, but its shape is 8"),
     "gather index": ("gather_rows", "'x'", "read at index 9, but its shape is 4"),
     "gather index under jit": ("gather_rows", "'x'", "read at index 9, but its shape is 4"),
@@ -186,6 +188,9 @@ def test_out_of_range_accesses_raise_and_the_process_lives(launcher):
     report = json.loads(line[len("RESULTS "):])
     if launcher == "native" and report["launcher"] != "native":
         pytest.skip("native launcher unavailable")
+    # Provable from the source (y[tid] over a launch bigger than y): the bridge refuses it at trace time.
+    trace_time = report["results"]["write past the output"]
+    assert trace_time.startswith("ValueError: Kernel 'shifted_scale'") and "output 'y'" in trace_time, trace_time
     for name, (kernel, array, what) in EXPECTED.items():
         message = report["results"][name]
         assert "warpnn checked mode" in message and f"kernel '{kernel}'" in message, (name, message)

@@ -48,7 +48,7 @@ import jax
 import numpy as np
 import warp as wp
 
-from ._signature import KernelSignature, _arg_spec
+from ._signature import ArrayUse, KernelSignature, _arg_spec
 
 CHECK_ENV = "WARPNN_CHECK"
 RECORD_NAME = "_warpnn_violation"
@@ -610,8 +610,8 @@ def _zero_of(dtype):
 class _CheckedSignature(KernelSignature):
     """The signature of a checked variant: the original's parameters plus the record output.
 
-    What the kernel reads and writes is the original's: the transformed source mentions every array in its
-    checks, which the source analysis would take for reads.
+    What the kernel reads and writes is the original's (``uses``): the transformed source mentions every array
+    in its checks, and the record is written only by the checks.
     """
 
     original: Any = None
@@ -621,8 +621,12 @@ class _CheckedSignature(KernelSignature):
         return self.original.key
 
     @functools.cached_property
-    def outputs_read(self) -> tuple[str, ...]:
-        return self.original.outputs_read
+    def uses(self) -> dict[str, ArrayUse]:
+        return {**self.original.uses, RECORD_NAME: ArrayUse(RECORD_NAME)}
+
+    @functools.cached_property
+    def kernel_has_return(self) -> bool:
+        return self.original.kernel_has_return
 
     @functools.cached_property
     def outputs_fully_written(self) -> tuple[str, ...]:
@@ -642,9 +646,9 @@ def checked_signature(sig: KernelSignature) -> tuple[KernelSignature, CheckedKer
         if cached is None or cached[0] is not sig:
             variant = checked_kernel(sig.kernel)
             record = _arg_spec(RECORD_NAME, wp.array(dtype=wp.int32), variant.kernel.key)
-            checked_sig = _CheckedSignature(variant.kernel, sig.inputs, (*sig.outputs, record), sig.constant_inputs,
-                                            original=sig)
-            cached = _SIGNATURES[id(sig)] = (sig, checked_sig, variant)
+            fields = {f.name: getattr(sig, f.name) for f in dataclasses.fields(sig)}
+            fields.update(kernel=variant.kernel, outputs=(*sig.outputs, record), original=sig)
+            cached = _SIGNATURES[id(sig)] = (sig, _CheckedSignature(**fields), variant)
     return cached[1], cached[2]
 
 
