@@ -211,3 +211,16 @@ def test_env_var_turns_checked_mode_on():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "raised warpnn checked mode: kernel 'shifted_scale' indexed array 'x'" in out.stdout
+
+
+def test_a_jit_function_compiled_before_runs_checked_inside_the_block():
+    gather = warpnn.jax_kernel(C.gather_rows)
+    f = jax.jit(lambda xv, idx: gather(xv, idx, 1.0, launch_dims=2, output_dims=2)[0])
+    xv = jnp.ones((3, 3))
+    f(xv, jnp.array([0, 2], jnp.int32))  # compiled unchecked
+    with warpnn.checked(), pytest.raises(Exception, match=r"kernel 'gather_rows' indexed array 'x'.*index 5"):
+        jax.block_until_ready(f(xv, jnp.array([0, 5], jnp.int32)))  # same shapes, yet traced again, checked
+    with warpnn.checked():
+        f(xv, jnp.array([0, 1], jnp.int32))
+    assert not warpnn.is_checked()
+    assert_close(f(xv, jnp.array([1, 2], jnp.int32)), jnp.ones((2, 3)))  # traced again after the block

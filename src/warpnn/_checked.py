@@ -73,13 +73,16 @@ _DEFAULT = [os.environ.get(CHECK_ENV, "0").strip().lower() in ("1", "true", "yes
 
 
 def set_checked(enabled: bool = True) -> bool:
-    """Turn checked mode on or off for calls traced from now on (process-wide); returns the previous setting.
+    """Turn checked mode on or off (process-wide, unless a ``checked()`` block of this thread says otherwise);
+    returns the previous setting.
 
-    Checked mode is part of a trace: ``jax.jit`` functions traced before the switch keep running the way
-    they were traced (call ``jax.clear_caches()`` to retrace them).
+    Checked mode is decided when a call is traced, so switching it clears JAX's caches (``jax.clear_caches()``):
+    functions compiled before are traced again, in the new mode, at their next call.
     """
-    previous = is_checked()
+    previous = _DEFAULT[0]
     _DEFAULT[0] = bool(enabled)
+    if _DEFAULT[0] != previous:
+        jax.clear_caches()
     return previous
 
 
@@ -91,20 +94,27 @@ def is_checked() -> bool:
 
 @contextlib.contextmanager
 def checked(enabled: bool = True):
-    """Trace warpnn calls in this block (this thread) in checked mode: out-of-range indices raise
+    """Run the block (this thread) in checked mode: out-of-range indices in Warp kernels raise
     :class:`KernelIndexError` naming the kernel, the array and the index, instead of corrupting memory.
 
-    Example::
+    Checked mode is decided when a call is traced, so entering and leaving a block that changes it clears JAX's
+    caches: ``jax.jit`` functions compiled outside run checked inside (they are traced again), and the other way
+    round. Example::
 
         with warpnn.checked():
-            y = jax.jit(f)(x)      # traced here: a bad index raises at this call
+            loss = train_step(params, batch)   # a bad index raises here, naming kernel, array and index
     """
     previous = getattr(_STATE, "override", None)
+    before = is_checked()
     _STATE.override = bool(enabled)
+    if is_checked() != before:
+        jax.clear_caches()
     try:
         yield
     finally:
         _STATE.override = previous
+        if is_checked() != bool(enabled):
+            jax.clear_caches()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -398,6 +408,11 @@ class _IndexGuard(ast.NodeTransformer):
         return self.generic_visit(node)
 
     def _is_builtin(self, func) -> bool:
+        node = func
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        if not isinstance(node, ast.Name):  # e.g. make_function()(...): not a plain name, assume a user function
+            return False
         try:
             target = eval(compile(ast.Expression(func), "<checked>", "eval"), self.scope)  # noqa: S307 - a name lookup
         except Exception:  # noqa: BLE001 - not resolvable here: assume a user function
@@ -432,9 +447,8 @@ class _IndexGuard(ast.NodeTransformer):
                     guard = self._atomic(value, fname)
                     if guard is not None:
                         check, call = guard
+                        # old = zero; if ok: old = wp.atomic_...(...): a skipped atomic yields zero
                         zero = ast.Name(self.params[self._array(value.args[0])[1]][1], ast.Load())
-                        if fname == "atomic_cas" or fname == "atomic_exch" or True:
-                            pass
                         init = ast.Assign([ast.Name(target, ast.Store())], zero)
                         ast.copy_location(init, node)
                         assign = ast.Assign([ast.Name(target, ast.Store())], call)
