@@ -51,6 +51,7 @@ import warp as wp
 from . import _warp_compat as wc
 from ._devices import trace_devices
 from ._ffi_attrs import SCALAR_ATTR_PREFIX
+from ._launch import _LOAD_LOCK, refuse_deterministic
 from ._signature import ArgSpec, KernelSignature
 
 ABI_VERSION = 3  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
@@ -359,9 +360,15 @@ class NativeLauncher:
         self._lock = threading.RLock()
         self._ids: dict[int, int] = {}  # id(signature) -> kernel id
         self._sigs: dict[int, KernelSignature] = {}  # kernel id -> signature (kept alive: ids are never reused)
-        # (kernel id, device) -> the ModuleExec whose entry points the library holds. Keeping it referenced
+        # (kernel id, device) -> the ModuleExec whose entry points the library holds now. Keeping it referenced
         # keeps Warp from unloading that code while a compiled XLA executable may still launch it.
         self._execs: dict[tuple[int, str], Any] = {}
+        # Every ModuleExec whose entry points the library ever held, kept for the life of the process: when Warp
+        # rebuilds a module (a kernel added later to the same Python module) and a retrace registers the new
+        # code, a handler on another thread may be running the old code at that very moment, and the last
+        # reference to a ModuleExec unloads its code (SIGSEGV in the running handler). The library never
+        # frees a replaced entry either. Cost: one retained module per rebuild of a Warp module.
+        self._retired: list[Any] = []
         resolver = _RESOLVER_TYPE(self._resolve)
         self._callbacks = [resolver]  # must outlive every executable; never grows per call
         core = wc.runtime().core
@@ -443,9 +450,11 @@ class NativeLauncher:
     @staticmethod
     def _load(sig: KernelSignature, device):
         # The same module variant as PythonLauncher (_launch.load_kernel): block_dim 1 on the CPU, 256 on CUDA.
-        module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, sig.block_dim))
+        with _LOAD_LOCK:  # one lock for both launchers: Warp's module loading is not thread-safe
+            module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, sig.block_dim))
         if module_exec is None:
             raise RuntimeError(f"Failed to load Warp module '{sig.kernel.module.name}' on device '{device}' (kernel '{sig.key}')")
+        refuse_deterministic(sig.kernel, module_exec.get_kernel_hooks(sig.kernel), device.is_cuda)
         return module_exec
 
     def _set_entry(self, kid: int, sig: KernelSignature, device) -> None:
@@ -467,6 +476,9 @@ class NativeLauncher:
             )
         if rc != 0:
             raise RuntimeError(f"warpnn: registering kernel '{sig.key}' on {device} with the native launcher failed ({rc})")
+        previous = self._execs.get(key)
+        if previous is not None:
+            self._retired.append(previous)
         self._execs[key] = module_exec
 
     def _resolve(self, kid: int, platform: int, ordinal: int) -> int:
