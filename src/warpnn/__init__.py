@@ -27,11 +27,15 @@ __version__ = "0.1.0"  # the one place the version is written: pyproject.toml re
 __all__ = [
     "SECOND_ORDER_MESSAGE",
     "Binding",
+    "KernelIndexError",
     "WarpKernel",
     "atomic_write",
     "atomic_write_bytes",
     "bind",
+    "checked",
     "enable_cuda_graph_capture",
+    "is_checked",
     "jax_kernel",
     "jax_warp_device",
+    "set_checked",
 ]
