@@ -24,7 +24,7 @@ import numpy as np
 import warp as wp
 
 from . import _sharding
-from ._bridge import SECOND_ORDER_MESSAGE
+from ._bridge import SECOND_ORDER_MESSAGE, _fence
 from ._warp_compat import jax_ffi
 
 FORWARD_MODE_MESSAGE = (
@@ -387,8 +387,11 @@ class _Plan:
 
     def forward(self, arrays) -> tuple:
         try:
-            return tuple(self.wrapper._forward(*self.arguments(arrays), output_dims=_thaw_dims(self.output_dims),
-                                               vmap_method=self.vmap_method))
+            # Behind an optimization barrier, like jax_kernel's calls (see _bridge._fence): inside lax.scan the
+            # call then sees the same buffers every step, so XLA's CUDA graphs replay it without Python.
+            outputs = self.wrapper._forward(*self.arguments(_fence(arrays)), output_dims=_thaw_dims(self.output_dims),
+                                            vmap_method=self.vmap_method)
+            return tuple(_fence(outputs))
         except (ValueError, TypeError) as error:
             _reraise_named(self.wrapper.name, error)
 
@@ -411,8 +414,12 @@ class _Plan:
                 **{f"value_{a.name}": out_shape_of[a.name] for a in pure_outputs},
                 **{f"seed_{a.name}": out_shape_of[a.name] for a in pure_outputs if _is_float(a)},
             }
+        scalars = dict(self.scalars)  # static: kept out of the barrier
+        arrays_at = [i for i, x in enumerate(operands) if i not in scalars]
+        fenced = iter(_fence([operands[i] for i in arrays_at]))
+        operands = [operands[i] if i in scalars else next(fenced) for i in range(len(operands))]
         results = wrapper._backward()(*operands, output_dims=dims, vmap_method=self.vmap_method)
-        return tuple(results[: len(grad_dims)])
+        return tuple(_fence(results[: len(grad_dims)]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
