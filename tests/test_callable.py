@@ -416,3 +416,23 @@ def test_scan_forward_and_vjp_replay_from_cuda_graphs(mode):
         assert entries == uncaptured
     else:  # captured once (per buffer set), then replayed: Python runs for a handful of steps only
         assert entries <= uncaptured // 20
+
+
+def springs_without_intermediate_gradient(x: wp.array(dtype=f64), k: wp.array(dtype=f64), pairs: wp.array2d(dtype=wp.int32),
+                                          rest: f64, f: wp.array(dtype=f64), e: wp.array(dtype=f64)):
+    f.zero_()
+    e.zero_()
+    t = wp.zeros(k.shape, dtype=f64, device=k.device)  # no requires_grad: wp.Tape would cut the gradient here
+    wp.launch(_spring_tension, dim=k.shape, inputs=[x, k, pairs, rest], outputs=[t])
+    wp.launch(_spring_scatter, dim=k.shape, inputs=[t, pairs], outputs=[f])
+    wp.launch(_energy, dim=x.shape, inputs=[x, f], outputs=[e])
+
+
+def test_an_intermediate_without_gradient_is_an_error_not_a_zero_gradient(x64):
+    x, k, pairs, _, _ = _spring_problem()
+    call = functools.partial(warpnn.jax_callable(springs_without_intermediate_gradient, num_outputs=2),
+                             output_dims={"f": len(x), "e": 1})
+    f, e = call(x, k, pairs, 0.9)  # the forward is fine
+    assert_close(f, springs_reference(x, k, pairs, 0.9)[0], rtol=1e-12)
+    with pytest.raises(Exception, match=r"kernel '.*_spring_scatter.*' reads the float array 't'.*requires_grad=True"):
+        jax.block_until_ready(jax.grad(lambda k: call(x, k, pairs, 0.9)[0].sum())(k))

@@ -10,6 +10,7 @@ the two calls but JAX values (the inputs), so the VJP composes with ``jit``, ``v
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import inspect
@@ -25,7 +26,17 @@ import warp as wp
 
 from . import _sharding
 from ._bridge import SECOND_ORDER_MESSAGE, _fence
+from ._signature import _reads_any
 from ._warp_compat import jax_ffi
+
+CUT_GRADIENT_MESSAGE = (
+    "warpnn.jax_callable '{name}': kernel '{reader}' reads the float array '{param}', which kernel '{writer}' "
+    "wrote from arrays that have gradients, but the array has none (it was allocated inside the function "
+    "without requires_grad=True), so wp.Tape cannot carry the gradient through it and every input before it "
+    "would get a zero gradient. Fix: allocate it with requires_grad=True (or wp.zeros_like / wp.empty_like of "
+    "an input); if it is meant to stop the gradient, compute it in a separate jax_callable and pass it in "
+    "through jax.lax.stop_gradient."
+)
 
 FORWARD_MODE_MESSAGE = (
     "warpnn.jax_callable '{name}' is differentiable in reverse mode (jax.grad, jax.vjp, jax.value_and_grad, "
@@ -536,6 +547,7 @@ def _tape_backward_body(wrapper: WarpCallable):
         tape = wp.Tape()
         with tape:
             func(*call)
+        _check_gradient_chain(wrapper.name, tape, call)
         tape.backward()
 
     num_outputs = len(grads) + len(works) + len(pure_outputs) + len(seeds)
@@ -580,3 +592,52 @@ def _check_backward_arity(wrapper: WarpCallable) -> None:
         ) from None
     except ValueError:  # no signature to inspect (a builtin): trust it
         pass
+
+
+def _writes(tree: ast.AST, name: str) -> bool:
+    """Whether a kernel's source writes the array ``name``: ``name[i] = v``, ``name[i] += v``, ``wp.atomic_*``."""
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        if any(isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == name for t in targets):
+            return True
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == name:
+            callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if callee.startswith("atomic_"):
+                return True
+    return False
+
+
+def _is_float_array(value) -> bool:
+    return isinstance(value, wp.array) and wp._src.types.type_scalar_type(value.dtype) in wp._src.types.float_types
+
+
+def _check_gradient_chain(name: str, tape, call_arrays) -> None:
+    """Refuse a recorded function whose gradient the tape would silently cut.
+
+    The case: a float array allocated inside ``func`` without a gradient, written by one kernel from
+    arrays with gradients and read by a later one. ``wp.Tape`` gives every input upstream of it a zero
+    gradient; a wrong gradient is worse than an error. Decided from the kernels' sources, conservatively
+    (only writes and reads seen in the kernel body count; writes inside ``@wp.func``s are not seen).
+    """
+    passed_in = {a.ptr for a in call_arrays if isinstance(a, wp.array)}
+    written = {}  # ptr of a gradient-less intermediate -> the kernel that wrote it from differentiable arrays
+    for launch in tape.launches:
+        if callable(launch):
+            continue
+        kernel, values = launch[0], [*launch[3], *launch[4]]
+        try:
+            tree = kernel.adj.tree
+        except AttributeError:
+            continue
+        params = [a.label for a in kernel.adj.args]
+        differentiable = any(
+            isinstance(v, wp.array) and v.requires_grad and _reads_any(tree, {p}) for p, v in zip(params, values)
+        )
+        for param, value in zip(params, values):
+            if not _is_float_array(value) or value.requires_grad or value.ptr in passed_in or not value.ptr:
+                continue
+            writer = written.get(value.ptr)
+            if writer is not None and _reads_any(tree, {param}):
+                raise RuntimeError(CUT_GRADIENT_MESSAGE.format(name=name, reader=kernel.key, param=param, writer=writer))
+            if differentiable and _writes(tree, param):
+                written[value.ptr] = kernel.key
