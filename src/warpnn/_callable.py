@@ -10,12 +10,12 @@ the two calls but JAX values (the inputs), so the VJP composes with ``jit``, ``v
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import inspect
 import numbers
 import threading
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,8 +25,9 @@ import numpy as np
 import warp as wp
 
 from . import _sharding
+from . import _warp_compat as wc
 from ._bridge import SECOND_ORDER_MESSAGE, _fence
-from ._signature import _reads_any
+from ._signature import ArrayUse, analyse_array_uses
 from ._warp_compat import jax_ffi
 
 CUT_GRADIENT_MESSAGE = (
@@ -594,17 +595,14 @@ def _check_backward_arity(wrapper: WarpCallable) -> None:
         pass
 
 
-def _writes(tree: ast.AST, name: str) -> bool:
-    """Whether a kernel's source writes the array ``name``: ``name[i] = v``, ``name[i] += v``, ``wp.atomic_*``."""
-    for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
-        if any(isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == name for t in targets):
-            return True
-        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == name:
-            callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if callee.startswith("atomic_"):
-                return True
-    return False
+@functools.lru_cache(maxsize=None)
+def _array_uses(kernel) -> dict[str, ArrayUse]:
+    """How ``kernel`` reads and writes each array parameter: warpnn's one analysis (``_signature``)."""
+    specs = []
+    for a in kernel.adj.args:
+        if wc.matches_array_class(a.type, wp.array):
+            specs.append(types.SimpleNamespace(name=a.label, warp_ndim=a.type.ndim, is_array=True))
+    return analyse_array_uses(kernel, specs)
 
 
 def _is_float_array(value) -> bool:
@@ -616,8 +614,8 @@ def _check_gradient_chain(name: str, tape, call_arrays) -> None:
 
     The case: a float array allocated inside ``func`` without a gradient, written by one kernel from
     arrays with gradients and read by a later one. ``wp.Tape`` gives every input upstream of it a zero
-    gradient; a wrong gradient is worse than an error. Decided from the kernels' sources, conservatively
-    (only writes and reads seen in the kernel body count; writes inside ``@wp.func``s are not seen).
+    gradient; a wrong gradient is worse than an error. Decided from the kernels' sources by warpnn's array-use
+    analysis; where it cannot tell how a kernel uses an array, that use does not count (no refusal on a guess).
     """
     passed_in = {a.ptr for a in call_arrays if isinstance(a, wp.array)}
     written = {}  # ptr of a gradient-less intermediate -> the kernel that wrote it from differentiable arrays
@@ -625,19 +623,22 @@ def _check_gradient_chain(name: str, tape, call_arrays) -> None:
         if callable(launch):
             continue
         kernel, values = launch[0], [*launch[3], *launch[4]]
-        try:
-            tree = kernel.adj.tree
-        except AttributeError:
+        if not isinstance(kernel, wp.Kernel):
             continue
+        uses = _array_uses(kernel)
         params = [a.label for a in kernel.adj.args]
+        # Only uses the analysis is sure of count here, so that nothing is refused on a guess.
+        decided = {p: u for p, u in uses.items() if u.undecided is None}
         differentiable = any(
-            isinstance(v, wp.array) and v.requires_grad and _reads_any(tree, {p}) for p, v in zip(params, values)
+            isinstance(v, wp.array) and v.requires_grad and p in decided and decided[p].reads
+            for p, v in zip(params, values)
         )
         for param, value in zip(params, values):
-            if not _is_float_array(value) or value.requires_grad or value.ptr in passed_in or not value.ptr:
+            use = decided.get(param)
+            if use is None or not _is_float_array(value) or value.requires_grad or value.ptr in passed_in or not value.ptr:
                 continue
             writer = written.get(value.ptr)
-            if writer is not None and _reads_any(tree, {param}):
+            if writer is not None and use.reads:
                 raise RuntimeError(CUT_GRADIENT_MESSAGE.format(name=name, reader=kernel.key, param=param, writer=writer))
-            if differentiable and _writes(tree, param):
+            if differentiable and use.writes:
                 written[value.ptr] = kernel.key
