@@ -138,6 +138,23 @@ def test_gradient_through_one_output_ignores_the_other_and_integer_inputs_get_fl
     assert gp.dtype == jax.dtypes.float0 and gp.shape == pairs.shape
 
 
+def test_inputs_jax_does_not_differentiate_get_no_gradient_array(x64):
+    x, k, pairs, wf, we = _spring_problem()
+    wrapper = warpnn.jax_callable(springs, num_outputs=2)
+    call = functools.partial(wrapper, output_dims={"f": len(x), "e": 1})
+
+    def loss(x, k):
+        f, e = call(x, k, pairs, 0.9)
+        return jnp.dot(wf, f) + jnp.dot(we, e)
+
+    gx_both, gk_both = jax.grad(loss, argnums=(0, 1))(x, k)
+    gx = jax.grad(loss, argnums=0)(x, k)
+    gk = jax.grad(loss, argnums=1)(x, k)
+    assert_close(gx, gx_both, rtol=1e-12)
+    assert_close(gk, gk_both, rtol=1e-12)
+    assert {frozenset({"x", "k"}), frozenset({"x"}), frozenset({"k"})} <= set(wrapper._backward_callables)
+
+
 # --------------------------------------------------------------------------------------------------
 # In-out arguments: gradients with respect to the value before the call.
 
@@ -185,6 +202,11 @@ def test_in_out_forward_gradient_and_caller_values(x64):
     refs = jax.grad(functools.partial(loss, accumulate_reference), argnums=(0, 1))(a, b)
     for g, r in zip(grads, refs):
         assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+    # one of them only: the in-out array still carries the adjoint of its new value to `a`
+    for arg in (0, 1):
+        alone = jax.grad(functools.partial(loss, call), argnums=arg)(a, b)
+        assert_close(alone, refs[arg], rtol=1e-10, atol=1e-12)
 
     h = 1e-6
     for arg in (0, 1):

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import warp as wp
+from jax.custom_derivatives import SymbolicZero
 
 from . import _sharding
 from . import _warp_compat as wc
-from ._bridge import SECOND_ORDER_MESSAGE, _fence
+from ._bridge import SECOND_ORDER_MESSAGE, _fence, _Static
 from ._signature import ArrayUse, analyse_array_uses
 from ._warp_compat import jax_ffi
 
@@ -83,7 +84,7 @@ class WarpCallable:
         self.input_args = tuple(forward.input_args)
         # JAX returns the in-out arguments' new values first, then the pure outputs (Warp's order).
         self.jax_output_args = tuple(a for a in self.input_args if a.in_out) + tuple(forward.output_args)
-        self._backward_callable = None
+        self._backward_callables: dict[frozenset[str], Any] = {}  # by the float inputs they differentiate
         self._backward_lock = threading.Lock()
         if backward is not None:
             _check_backward_arity(self)
@@ -106,8 +107,8 @@ class WarpCallable:
     @graph_cache_max.setter
     def graph_cache_max(self, value: int | None) -> None:
         self._forward.graph_cache_max = value
-        if self._backward_callable is not None:
-            self._backward_callable.graph_cache_max = value
+        for backward in self._backward_callables.values():
+            backward.graph_cache_max = value
 
     @property
     def graph_cache_size(self) -> int:
@@ -116,8 +117,8 @@ class WarpCallable:
     def clear_graph_cache(self) -> None:
         """Drop the graphs Warp captured for this callable (``JaxCallableGraphMode.WARP``), forward and backward."""
         self._forward.captures.clear()
-        if self._backward_callable is not None:
-            self._backward_callable.captures.clear()
+        for backward in self._backward_callables.values():
+            backward.captures.clear()
 
     def __call__(self, *args, output_dims=None, vmap_method=None) -> tuple[jax.Array, ...]:
         """Call the function.
@@ -149,13 +150,29 @@ class WarpCallable:
                 raise TypeError(FORWARD_MODE_MESSAGE.format(name=self.name)) from None
             raise
 
-    def _backward(self):
-        """The Warp callable that computes the VJP (built on first differentiation, once)."""
+    def differentiated_inputs(self, perturbed: frozenset[str]) -> frozenset[str]:
+        """The inputs the VJP computes gradients for, given those JAX differentiates in this call.
+
+        With the tape: the perturbed float arrays, plus every float in-out array (its gradient buffer is also
+        the adjoint the tape seeds with its new value's cotangent). A user backward gets all float inputs.
+        """
+        floats = {a.name for a in self.input_args if _is_float(a)}
+        if self.backward is not None:
+            return frozenset(floats)
+        return frozenset(floats & (perturbed | {a.name for a in self.input_args if a.in_out}))
+
+    def _backward(self, differentiated: frozenset[str]):
+        """The Warp callable that computes the VJP for ``differentiated`` inputs (built once for each set).
+
+        Inputs JAX does not differentiate get no gradient array, so Warp's adjoints skip their atomics and
+        nothing is zeroed for them.
+        """
         with self._backward_lock:
-            if self._backward_callable is None:
+            callable_ = self._backward_callables.get(differentiated)
+            if callable_ is None:
                 fwd = self._forward
                 body, names, annotations, num_outputs = (
-                    _user_backward_body(self) if self.backward is not None else _tape_backward_body(self)
+                    _user_backward_body(self) if self.backward is not None else _tape_backward_body(self, differentiated)
                 )
                 body.__signature__ = inspect.Signature(
                     [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
@@ -164,7 +181,7 @@ class WarpCallable:
                 # Warp preloads and loads the module named after the function's __module__: the user's kernels.
                 body.__module__ = getattr(self.func, "__module__", body.__module__)
                 body.__qualname__ = body.__name__ = f"{getattr(self.func, '__name__', 'func')}_warpnn_vjp"
-                self._backward_callable = jax_ffi.jax_callable(
+                callable_ = self._backward_callables[differentiated] = jax_ffi.jax_callable(
                     body,
                     num_outputs=num_outputs,
                     graph_mode=fwd.graph_mode,
@@ -172,7 +189,7 @@ class WarpCallable:
                     graph_cache_max=fwd.graph_cache_max,
                     module_preload_mode=fwd.module_preload_mode,
                 )
-            return self._backward_callable
+            return callable_
 
 
 def jax_callable(
@@ -391,6 +408,7 @@ class _Plan:
     output_dims: Any
     vmap_method: str | None
     output_shapes: tuple[tuple[int, ...], ...] | None = None  # the forward's, known when differentiating
+    differentiated: frozenset[str] = frozenset()  # the inputs the VJP computes gradients for
 
     def arguments(self, arrays) -> list:
         """The function's inputs in signature order: the traced arrays with the static scalars put back."""
@@ -413,7 +431,7 @@ class _Plan:
         inputs = self.arguments(arrays)
         shape_of = {a.name: tuple(x.shape) for a, x in zip(wrapper.input_args, inputs) if a.is_array}
         out_shape_of = {a.name: shape for a, shape in zip(wrapper.jax_output_args, self.output_shapes)}
-        grad_dims = {f"grad_{a.name}": shape_of[a.name] for a in wrapper.input_args if _is_float(a)}
+        grad_dims = {f"grad_{a.name}": shape_of[a.name] for a in wrapper.input_args if a.name in self.differentiated}
         if wrapper.backward is not None:
             operands = [*inputs, *outputs, *cotangents]
             dims = grad_dims
@@ -430,7 +448,7 @@ class _Plan:
         arrays_at = [i for i, x in enumerate(operands) if i not in scalars]
         fenced = iter(_fence([operands[i] for i in arrays_at]))
         operands = [operands[i] if i in scalars else next(fenced) for i in range(len(operands))]
-        results = wrapper._backward()(*operands, output_dims=dims, vmap_method=self.vmap_method)
+        results = wrapper._backward(self.differentiated)(*operands, output_dims=dims, vmap_method=self.vmap_method)
         return tuple(_fence(results[: len(grad_dims)]))
 
 
@@ -439,31 +457,43 @@ def _differentiable_call(plan: _Plan, *arrays):
     return plan.forward(arrays)
 
 
-def _differentiable_call_fwd(plan: _Plan, *arrays):
+def _differentiable_call_fwd(plan: _Plan, *primals):
+    # symbolic_zeros=True: each primal says whether JAX differentiates with respect to it in this call.
+    arrays = tuple(p.value for p in primals)
+    array_args = [a for a in plan.wrapper.input_args if a.is_array]
+    perturbed = frozenset(a.name for a, p in zip(array_args, primals) if p.perturbed)
     outputs = _first_order_only(plan, False, *arrays)
     # The tape re-runs the function from its inputs; only a user backward reads the forward's outputs.
-    return outputs, (arrays, outputs if plan.wrapper.backward is not None else None)
+    saved = outputs if plan.wrapper.backward is not None else None
+    return outputs, (arrays, saved, _Static(perturbed))
 
 
 def _differentiable_call_bwd(plan: _Plan, residuals, cotangents):
-    arrays, outputs = residuals
+    arrays, outputs, perturbed = residuals
     wrapper = plan.wrapper
     array_args = [a for a in wrapper.input_args if a.is_array]
+    differentiated = wrapper.differentiated_inputs(perturbed.value)
     float_outputs = [i for i, a in enumerate(wrapper.jax_output_args) if _is_float(a)]
-    if not any(_is_float(a) for a in array_args) or not float_outputs:
-        return (None,) * len(arrays)  # nothing differentiable: zero (float0 for integers) cotangents
     cts = [cotangents[i] for i in float_outputs]
-    plan = dataclasses.replace(plan, output_shapes=tuple(tuple(np.shape(ct)) for ct in cotangents))
+    if not (differentiated & perturbed.value) or all(isinstance(ct, SymbolicZero) for ct in cts):
+        return (None,) * len(arrays)  # nothing differentiable, or zero cotangents: zero (float0 for integers)
+    # A zero cotangent among others becomes a zero array: the VJP callable's signature is fixed.
+    cts = [jnp.zeros(ct.aval.shape, ct.aval.dtype) if isinstance(ct, SymbolicZero) else ct for ct in cts]
+    shapes = tuple(tuple(ct.aval.shape) if isinstance(ct, SymbolicZero) else tuple(np.shape(ct)) for ct in cotangents)
+    plan = dataclasses.replace(plan, output_shapes=shapes, differentiated=differentiated)
     try:
-        grads = iter(_first_order_only(plan, True, arrays, () if outputs is None else outputs, tuple(cts)))
+        grads = dict(zip(
+            [a.name for a in wrapper.input_args if a.name in differentiated],
+            _first_order_only(plan, True, arrays, () if outputs is None else outputs, tuple(cts)),
+        ))
     except TypeError as error:  # jax.hessian / jacfwd(jacrev): forward mode through the backward call
         if _JAX_JVP_ERROR in str(error):
             raise TypeError(FORWARD_MODE_MESSAGE.format(name=wrapper.name)) from None
         raise
-    return tuple(next(grads) if _is_float(a) else None for a in array_args)
+    return tuple(grads.get(a.name) if a.name in perturbed.value else None for a in array_args)
 
 
-_differentiable_call.defvjp(_differentiable_call_fwd, _differentiable_call_bwd)
+_differentiable_call.defvjp(_differentiable_call_fwd, _differentiable_call_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -495,7 +525,7 @@ _first_order_only.defvjp(_first_order_only_fwd, _first_order_only_bwd)
 # Warp's jax_callable reads the annotations as it reads func's.
 
 
-def _tape_backward_body(wrapper: WarpCallable):
+def _tape_backward_body(wrapper: WarpCallable, differentiated: frozenset[str]):
     """VJP through wp.Tape: re-run func on the inputs, seed its outputs' adjoints, tape.backward().
 
     Parameters: func's inputs; a cotangent per float output. Outputs: a gradient per float array input,
@@ -507,7 +537,7 @@ def _tape_backward_body(wrapper: WarpCallable):
     inputs = wrapper.input_args
     pure_outputs = tuple(wrapper._forward.output_args)
     cts = [a for a in wrapper.jax_output_args if _is_float(a)]
-    grads = [a for a in inputs if _is_float(a)]
+    grads = [a for a in inputs if a.name in differentiated]
     works = [a for a in inputs if a.in_out]
     seeds = [a for a in pure_outputs if _is_float(a)]
     params = (
@@ -533,7 +563,7 @@ def _tape_backward_body(wrapper: WarpCallable):
                     wp.copy(grad, given[f"ct_{a.name}"])
                     x_work.grad = grad
                 x = x_work
-            elif _is_float(a):
+            elif a.name in differentiated:
                 grad = given[f"grad_{a.name}"]
                 grad.zero_()
                 x.grad = grad
