@@ -458,3 +458,44 @@ def test_an_intermediate_without_gradient_is_an_error_not_a_zero_gradient(x64):
     assert_close(f, springs_reference(x, k, pairs, 0.9)[0], rtol=1e-12)
     with pytest.raises(Exception, match=r"kernel '.*_spring_scatter.*' reads the float array 't'.*requires_grad=True"):
         jax.block_until_ready(jax.grad(lambda k: call(x, k, pairs, 0.9)[0].sum())(k))
+
+
+# --------------------------------------------------------------------------------------------------
+# Several devices: pmap and shard_map gradients (two XLA host devices, so in a process of their own).
+
+_DEVICES_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import functools, jax, jax.numpy as jnp, numpy as np, warpnn
+    from jax.sharding import Mesh, PartitionSpec as P
+    jax.config.update("jax_enable_x64", True)
+    from tests.test_callable import accumulate, accumulate_reference
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    call = warpnn.jax_callable(accumulate, num_outputs=2, in_out_argnames=["b"])
+    loss = lambda fn, a, b: jnp.sum(fn(a, b)[1] ** 2)
+    a, b = jnp.linspace(-1, 1, 8).reshape(2, 4), jnp.linspace(0, 2, 8).reshape(2, 4)
+    got = jax.pmap(jax.grad(functools.partial(loss, call), argnums=(0, 1)))(a, b)
+    want = jax.vmap(jax.grad(functools.partial(loss, accumulate_reference), argnums=(0, 1)))(a, b)
+    print("pmap", max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(got, want)))
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    sharded = shard_map(lambda a, b: jax.lax.psum(loss(call, a, b), "d"), mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+    got = jax.jit(jax.grad(sharded, argnums=(0, 1)))(a[0], b.reshape(8))  # a replicated: its gradient is summed
+    want = jax.grad(lambda a, b: loss(accumulate_reference, jnp.tile(a, 2), b), argnums=(0, 1))(a[0], b.reshape(8))
+    print("shard_map", max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(got, want)))
+    """
+)
+
+
+def test_pmap_and_shard_map_gradients_match_pure_jax():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _DEVICES_SCRIPT], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    errors = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("pmap", "shard_map")))
+    assert set(errors) == {"pmap", "shard_map"}
+    assert all(float(e) < 1e-12 for e in errors.values()), errors
