@@ -426,7 +426,7 @@ class _Plan:
             _reraise_named(self.wrapper.name, error)
 
     def backward(self, arrays, outputs, cotangents) -> tuple:
-        """The gradients of the float array inputs, from the VJP callable."""
+        """The gradients of the inputs in ``self.differentiated`` (in input order), from the VJP callable."""
         wrapper = self.wrapper
         inputs = self.arguments(arrays)
         shape_of = {a.name: tuple(x.shape) for a, x in zip(wrapper.input_args, inputs) if a.is_array}
