@@ -423,7 +423,7 @@ _GRAPH_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["JAX", "WARP", "NONE"])
+@pytest.mark.parametrize("mode", ["JAX", "WARP", "WARP_STAGED", "NONE"])
 def test_scan_forward_and_vjp_replay_from_cuda_graphs(mode):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
