@@ -220,6 +220,27 @@ def test_in_out_forward_gradient_and_caller_values(x64):
             assert abs(float(grads[arg][j]) - fd) <= 1e-6 * max(1.0, abs(fd))
 
 
+def copy_then_product(a: wp.array(dtype=f64), b: wp.array(dtype=f64), c: wp.array(dtype=f64), d: wp.array(dtype=f64)):
+    wp.copy(c, a)  # under wp.Tape the forward also copies a's adjoint into c's: cotangents go in after it
+    wp.launch(_product, dim=a.shape, inputs=[c, b], outputs=[d])
+
+
+def test_wp_copy_inside_the_function_carries_the_gradient(x64):
+    call = warpnn.jax_callable(copy_then_product, num_outputs=2)
+    rng = np.random.default_rng(4)
+    a, b, w = (jnp.asarray(rng.normal(size=6)) for _ in range(3))
+
+    def loss(fn, a, b):
+        c, d = fn(a, b)
+        return jnp.dot(w, c) + jnp.sum(d ** 2)
+
+    reference = lambda a, b: (a, jnp.cos(a) * b)  # noqa: E731
+    grads = jax.jit(jax.grad(functools.partial(loss, call), argnums=(0, 1)))(a, b)
+    refs = jax.grad(functools.partial(loss, reference), argnums=(0, 1))(a, b)
+    for g, r in zip(grads, refs):
+        assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
 # --------------------------------------------------------------------------------------------------
 # vmap: each of Warp's vmap methods where it is right, against per-element runs.
 

@@ -531,7 +531,8 @@ def _tape_backward_body(wrapper: WarpCallable, differentiated: frozenset[str]):
     Parameters: func's inputs; a cotangent per float output. Outputs: a gradient per float array input,
     then scratch the tape works in (so nothing is allocated here, and graph capture sees only copies,
     memsets and launches): a working copy of each in-out array, each output's recomputed value, and each
-    float output's adjoint (a copy of its cotangent, which Warp's adjoints may update in place).
+    float output's adjoint (given the cotangent after the replay; Warp's adjoints may update it in place,
+    which the cotangent itself, an XLA input, must not be).
     """
     func = wrapper.func
     inputs = wrapper.input_args
@@ -552,34 +553,35 @@ def _tape_backward_body(wrapper: WarpCallable, differentiated: frozenset[str]):
 
     def vjp(*warp_args):
         given = dict(zip(names, warp_args))
-        call = []
+        call, seeded = [], {}
         for a in inputs:
             x = given[f"in_{a.name}"]
             if a.in_out:  # the tape runs on a copy holding the value before the call
                 x_work = given[f"work_{a.name}"]
                 wp.copy(x_work, x)
                 if _is_float(a):  # its adjoint: seeded with the new value's cotangent, ends as the old value's
-                    grad = given[f"grad_{a.name}"]
-                    wp.copy(grad, given[f"ct_{a.name}"])
-                    x_work.grad = grad
+                    x_work.grad = given[f"grad_{a.name}"]
+                    seeded[x_work] = given[f"ct_{a.name}"]
                 x = x_work
             elif a.name in differentiated:
-                grad = given[f"grad_{a.name}"]
-                grad.zero_()
-                x.grad = grad
+                x.grad = given[f"grad_{a.name}"]
             call.append(x)
         for a in pure_outputs:
             y = given[f"value_{a.name}"]
             if _is_float(a):
-                seed = given[f"seed_{a.name}"]
-                wp.copy(seed, given[f"ct_{a.name}"])
-                y.grad = seed
+                y.grad = given[f"seed_{a.name}"]
+                seeded[y] = given[f"ct_{a.name}"]
             call.append(y)
+        # Every adjoint starts at zero, and the cotangents go in only after the forward replay, as with
+        # wp.Tape: Warp's forward writes some adjoints itself (wp.copy copies the source's into the target's).
+        for x in call:
+            if isinstance(x, wp.array) and x.grad is not None:
+                x.grad.zero_()
         tape = wp.Tape()
         with tape:
             func(*call)
         _check_gradient_chain(wrapper.name, tape, call)
-        tape.backward()
+        tape.backward(grads=seeded)  # copies each cotangent into its array's adjoint, then runs backward
 
     num_outputs = len(grads) + len(works) + len(pure_outputs) + len(seeds)
     return vjp, names, [a.type for _, a in params], num_outputs
