@@ -520,3 +520,21 @@ def test_pmap_and_shard_map_gradients_match_pure_jax():
     errors = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("pmap", "shard_map")))
     assert set(errors) == {"pmap", "shard_map"}
     assert all(float(e) < 1e-12 for e in errors.values()), errors
+
+
+@wp.kernel(enable_backward=False)
+def _double_without_adjoint(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = 2.0 * x[i]
+
+
+def double_without_adjoint(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    wp.launch(_double_without_adjoint, dim=x.shape, inputs=[x], outputs=[y])
+
+
+def test_a_kernel_without_adjoint_on_the_gradient_path_is_an_error():
+    call = warpnn.jax_callable(double_without_adjoint)
+    x = jnp.arange(4.0, dtype=jnp.float32)
+    assert_close(call(x)[0], 2 * x)
+    with pytest.raises(Exception, match=r"kernel '.*_double_without_adjoint.*' .*compiled without an adjoint"):
+        jax.block_until_ready(jax.grad(lambda x: call(x)[0].sum())(x))

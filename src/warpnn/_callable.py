@@ -40,6 +40,13 @@ CUT_GRADIENT_MESSAGE = (
     "through jax.lax.stop_gradient."
 )
 
+NO_ADJOINT_MESSAGE = (
+    "warpnn.jax_callable '{name}': kernel '{kernel}' reads arrays that have gradients and writes float arrays, "
+    "but it was compiled without an adjoint (enable_backward=False on the kernel or its module), so wp.Tape "
+    "would skip it and the gradient through it would be zero. Fix: remove enable_backward=False, or keep its "
+    "inputs out of the gradient (jax.lax.stop_gradient on the inputs they come from)."
+)
+
 FORWARD_MODE_MESSAGE = (
     "warpnn.jax_callable '{name}' is differentiable in reverse mode (jax.grad, jax.vjp, jax.value_and_grad, "
     "jax.jacrev), once: its VJP re-runs the function under wp.Tape and back-propagates through Warp's "
@@ -637,6 +644,14 @@ def _array_uses(kernel) -> dict[str, ArrayUse]:
     return analyse_array_uses(kernel, specs)
 
 
+def _has_adjoint(kernel) -> bool:
+    """Whether Warp generates the kernel's adjoint (``enable_backward`` of the kernel, else of its module)."""
+    option = kernel.options.get("enable_backward")
+    if option is None:
+        option = kernel.module.options.get("enable_backward", True)
+    return bool(option)
+
+
 def _is_float_array(value) -> bool:
     return isinstance(value, wp.array) and wp._src.types.type_scalar_type(value.dtype) in wp._src.types.float_types
 
@@ -665,6 +680,10 @@ def _check_gradient_chain(name: str, tape, call_arrays) -> None:
             isinstance(v, wp.array) and v.requires_grad and p in decided and decided[p].reads
             for p, v in zip(params, values)
         )
+        if differentiable and not _has_adjoint(kernel) and any(
+            _is_float_array(v) and p in uses and uses[p].writes for p, v in zip(params, values)
+        ):
+            raise RuntimeError(NO_ADJOINT_MESSAGE.format(name=name, kernel=kernel.key))
         for param, value in zip(params, values):
             use = decided.get(param)
             if use is None or not _is_float_array(value) or value.requires_grad or value.ptr in passed_in or not value.ptr:
