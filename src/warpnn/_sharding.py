@@ -157,7 +157,9 @@ def ffi_call(
         aliases=tuple(sorted((aliases or {}).items())),
         has_side_effect=bool(has_side_effect),
     )
-    if _UNAVAILABLE is not None or not operands:  # nothing to shard without operands
+    # A call with a side effect must reach XLA even when its results are unused: jax.ffi.ffi_call carries
+    # the effect, this primitive does not (JAX would drop it as dead code), so such calls are not partitioned.
+    if _UNAVAILABLE is not None or not operands or has_side_effect:  # nothing to shard without operands
         if _UNAVAILABLE is not None:
             _warn_unavailable()
         return _plain_call(spec, *operands)
