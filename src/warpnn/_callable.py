@@ -15,7 +15,6 @@ import functools
 import inspect
 import numbers
 import threading
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,7 +27,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import _sharding
 from . import _warp_compat as wc
 from ._bridge import SECOND_ORDER_MESSAGE, _fence, _Static
-from ._signature import ArrayUse, analyse_array_uses
+from ._signature import ArrayUse, _arg_spec, analyse_array_uses
 from ._warp_compat import jax_ffi
 
 CUT_GRADIENT_MESSAGE = (
@@ -639,8 +638,10 @@ def _array_uses(kernel) -> dict[str, ArrayUse]:
     """How ``kernel`` reads and writes each array parameter: warpnn's one analysis (``_signature``)."""
     specs = []
     for a in kernel.adj.args:
-        if wc.matches_array_class(a.type, wp.array):
-            specs.append(types.SimpleNamespace(name=a.label, warp_ndim=a.type.ndim, is_array=True))
+        try:
+            specs.append(_arg_spec(a.label, a.type, kernel.key))
+        except TypeError:  # a parameter JAX could not pass (a mesh id, an array of structs): not analysed
+            pass
     return analyse_array_uses(kernel, specs)
 
 
@@ -653,7 +654,7 @@ def _has_adjoint(kernel) -> bool:
 
 
 def _is_float_array(value) -> bool:
-    return isinstance(value, wp.array) and wp._src.types.type_scalar_type(value.dtype) in wp._src.types.float_types
+    return isinstance(value, wp.array) and wc.type_scalar_type(value.dtype) in wc.float_types
 
 
 def _check_gradient_chain(name: str, tape, call_arrays) -> None:
