@@ -104,6 +104,19 @@ def cases(n: int) -> dict:
     }
 
 
+def table(rows: list[dict]) -> str:
+    """The markdown table of ``main``'s rows (µs per iteration)."""
+    lines = ["| particles | springs | Warp fwd | warpnn fwd | Warp fwd + wp.Tape bwd | warpnn fwd+bwd | fwd+bwd ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['particles']} | {r['springs']} | {fmt_us(r.get('warp fwd'))} | {fmt_us(r.get('warpnn.jax_callable fwd'))} | "
+            f"{fmt_us(r.get('warp fwd + wp.Tape bwd'))} | {fmt_us(r.get('warpnn.jax_callable fwd+bwd'))} | "
+            f"{fmt_ratio(r.get('warpnn.jax_callable fwd+bwd'), r.get('warp fwd + wp.Tape bwd'))} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     sizes = [1024, 16384] if "--small" in argv else [1024, 16384, 262144]
@@ -111,9 +124,7 @@ def main(argv=None) -> None:
     for n in sizes:
         t = time_interleaved(cases(n), rounds=10)
         rows.append({"particles": n, "springs": 2 * n - 1, **{key: t[key] for key in t}})
-        print(f"| {n} | {2 * n - 1} | {fmt_us(t['warp fwd'])} | {fmt_us(t['warpnn.jax_callable fwd'])} | "
-              f"{fmt_us(t['warp fwd + wp.Tape bwd'])} | {fmt_us(t['warpnn.jax_callable fwd+bwd'])} | "
-              f"{fmt_ratio(t['warpnn.jax_callable fwd+bwd'], t['warp fwd + wp.Tape bwd'])} |", file=sys.stderr)
+    print(table(rows), file=sys.stderr)
     print(json.dumps({"environment": environment(), "callable": rows}))
 
 
