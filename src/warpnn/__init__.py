@@ -7,6 +7,7 @@ from ._bridge import SECOND_ORDER_MESSAGE as SECOND_ORDER_MESSAGE
 from ._bridge import WarpKernel as WarpKernel
 from ._bridge import jax_kernel as jax_kernel
 from ._binding import Binding as Binding
+from ._callable import WarpCallable as WarpCallable, clear_jax_callable_graph_cache as clear_jax_callable_graph_cache, jax_callable as jax_callable, register_ffi_callback as register_ffi_callback
 from ._binding import bind as bind
 from ._checked import KernelIndexError as KernelIndexError
 from ._checked import checked as checked
