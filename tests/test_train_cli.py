@@ -29,7 +29,9 @@ def _metrics(out: Path) -> dict:
     return {k: v for k, v in json.loads((out / "metrics.json").read_text()).items() if k not in TIMING}
 
 
-@pytest.mark.parametrize("task", list(TASKS))
+# cloth: the main job; control: the task with a random key in its training state. (geometry resumes through
+# the same loop and checkpoint logic; it is checked by hand, not here, to keep the suite short.)
+@pytest.mark.parametrize("task", ["cloth", "control"])
 def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, task):
     """Stopped after a few steps and resumed (model, optimiser state, step, random key, loss history from the
     checkpoint), a run writes the same checkpoint bytes and metrics as one that ran straight through."""
