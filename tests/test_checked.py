@@ -41,7 +41,7 @@ def _cases():
     xv = jax.random.normal(key, (7, 3))
     idx = jnp.array([6, 0, 3, 3, -1], jnp.int32)  # -1: Warp's negative indexing, the last row
     v = jnp.linspace(0.5, 1.5, 5)
-    pairs = jnp.array([[0, 1], [1, 2], [2, 3], [3, 0], [1, 3]], jnp.int32)
+    pairs = jnp.array([[0, 1], [1, 2], [2, 3], [-1, 0], [1, -4]], jnp.int32)  # negative: Warp's wrap-around
     g = jax.random.normal(key, (3, 5))
     shifted = warpnn.jax_kernel(C.shifted_scale)
     gather = warpnn.jax_kernel(C.gather_rows)
@@ -146,7 +146,7 @@ cases = {
     "adjoint under jit": lambda: jax.jit(grad_gather)(xv),
     "view": lambda: rows(jnp.ones((3, 4)), 1, launch_dims=(3, 4), output_dims=3)[0],
     "view row": lambda: rows(jnp.ones((3, 4)), 0, launch_dims=(4, 4), output_dims=4)[0],
-    "atomic slot": lambda: slots(jnp.ones(6), output_dims={"counter": 1, "slots": 4})[1],
+    "atomic slot": lambda: slots(jnp.ones(5), output_dims={"counter": 1, "slots": 4})[1],  # one slot too many
     "vmap": lambda: jax.jit(jax.vmap(lambda i: gather(xv, i, 1.0, launch_dims=3, output_dims=3)[0]))(jnp.stack([jnp.zeros(3, jnp.int32), bad_idx])),
 }
 results = {}

@@ -36,6 +36,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
 import inspect
 import os
 import sys
@@ -330,9 +331,24 @@ class _IndexGuard(ast.NodeTransformer):
     def _err() -> ast.Name:
         return ast.Name(RECORD_NAME, ast.Load())
 
+    # The checks read array extents from variables assigned once, at the top of the body (parameters) or right
+    # after a view is taken, not from `a.shape[k]` at each access: Warp's adjoint of reading `a.shape` sets the
+    # *adjoint* array's shape to zero at that point of the reverse pass, and an adjoint access after it (earlier
+    # in program order) with a negative index would wrap by that zero shape (found by the fuzz: lost gradients).
+
     @staticmethod
-    def _shape(name: str, k: int) -> ast.Subscript:
-        return ast.Subscript(ast.Attribute(ast.Name(name, ast.Load()), "shape", ast.Load()), ast.Constant(k), ast.Load())
+    def _shape_var(name: str, k: int) -> str:
+        return f"_warpnn_shape_{name}_{k}"
+
+    def _shape(self, name: str, k: int) -> ast.Name:
+        return ast.Name(self._shape_var(name, k), ast.Load())
+
+    def _read_shapes(self, name: str, ndim: int, like) -> list[ast.Assign]:
+        reads = []
+        for k in range(ndim):
+            value = ast.Subscript(ast.Attribute(ast.Name(name, ast.Load()), "shape", ast.Load()), ast.Constant(k), ast.Load())
+            reads.append(ast.copy_location(ast.Assign([ast.Name(self._shape_var(name, k), ast.Store())], value), like))
+        return reads
 
     def _flatten(self, node: ast.Subscript):
         """``a[i][j]`` / ``a[i, j]`` on an array -> (array info, [index exprs]); None if not an array access."""
@@ -439,7 +455,7 @@ class _IndexGuard(ast.NodeTransformer):
                     (name, parent, ndim), indices = flat
                     node.value = self.visit(value)
                     self.views[target] = (parent, ndim - len(indices))
-                    return node
+                    return [node, *self._read_shapes(target, ndim - len(indices), node)]
             # old = wp.atomic_add(a, i, v)
             if isinstance(value, ast.Call):
                 fname = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", None)
@@ -520,9 +536,11 @@ class _IndexGuard(ast.NodeTransformer):
 
     def visit_FunctionDef(self, node: ast.FunctionDef):
         node.args.args.append(ast.arg(RECORD_NAME, None))
-        node.body = [self.visit(s) for s in node.body]
+        body = [self.visit(s) for s in node.body]
         flat = []
-        for s in node.body:
+        for name, (ndim, _) in self.params.items():
+            flat += self._read_shapes(name, ndim, node.body[0])
+        for s in body:
             flat.extend(s if isinstance(s, list) else [s])
         node.body = flat
         return node
@@ -599,7 +617,9 @@ def _build(kernel) -> CheckedKernel:
         inspect.Parameter(RECORD_NAME, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=record_type),
     ])
     variant.__qualname__, variant.__module__ = func.__qualname__, func.__module__
-    module = wp.get_module(f"warpnn_checked.{kernel.module.name}.{kernel.key}")
+    # Warp's module hash covers the kernel's source, not what a code transformer made of it: name the module
+    # after this file's contents, so that a changed transform never loads a stale cached build.
+    module = wp.get_module(f"warpnn_checked_{_TRANSFORM_VERSION}.{kernel.module.name}.{kernel.key}")
     module.options.update(kernel.module.options)
     checked = wp.Kernel(variant, key=f"{kernel.key}__checked", module=module, options=dict(kernel.options),
                         code_transformers=[guard])
@@ -612,6 +632,9 @@ def _build(kernel) -> CheckedKernel:
             stacklevel=5,
         )
     return CheckedKernel(checked, tuple(guard.sites))
+
+
+_TRANSFORM_VERSION = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:8]  # noqa: SIM115
 
 
 def _zero_of(dtype):
