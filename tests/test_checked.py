@@ -224,3 +224,13 @@ def test_a_jit_function_compiled_before_runs_checked_inside_the_block():
         f(xv, jnp.array([0, 1], jnp.int32))
     assert not warpnn.is_checked()
     assert_close(f(xv, jnp.array([1, 2], jnp.int32)), jnp.ones((2, 3)))  # traced again after the block
+
+
+def test_struct_fields_are_reported_as_unguarded_and_results_unchanged(key):
+    from .test_structs import _body, _inputs, body_energy, body_energy_ref
+
+    x, weight, offset = _inputs(key)
+    f = warpnn.jax_kernel(body_energy)
+    with warpnn.checked(), pytest.warns(RuntimeWarning, match=r"'body_energy'.*body\.x\[\.\.\.\].*body\.material passed to material_term"):
+        (e,) = f(_body(x, weight), offset)
+    assert_close(e, body_energy_ref(x, weight, offset), 1e-5, 1e-5)

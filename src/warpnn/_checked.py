@@ -49,7 +49,7 @@ import jax
 import numpy as np
 import warp as wp
 
-from ._signature import ArrayUse, KernelSignature, _arg_spec
+from ._signature import ArrayUse, KernelSignature, Struct, _arg_spec
 
 CHECK_ENV = "WARPNN_CHECK"
 RECORD_NAME = "_warpnn_violation"
@@ -300,7 +300,8 @@ class _IndexGuard(ast.NodeTransformer):
     def __init__(self, kernel_key: str, arrays: dict[str, tuple[int, str]], first_line: int, scope: dict):
         self.key = kernel_key
         self.scope = scope  # the kernel function's globals: to tell Warp builtins from user functions
-        self.unguarded: list[str] = []  # arrays handed to user functions, whose accesses stay unchecked
+        self.unguarded: list[str] = []  # accesses left unchecked: arrays handed to user functions, struct fields
+        self.structs: set[str] = set()  # struct parameters
         self.params = arrays  # array parameter -> (ndim, name of its zero constant)
         self.views: dict[str, tuple[str, int]] = {}  # local view -> (parent parameter, ndim)
         self.sites: list[Site] = []
@@ -373,6 +374,9 @@ class _IndexGuard(ast.NodeTransformer):
     # -- expressions
 
     def visit_Subscript(self, node: ast.Subscript):
+        if isinstance(node.value, ast.Attribute) and self._struct_rooted(node.value):
+            # an array field of a struct parameter: Warp knows its shape, this transform does not guard it
+            self.unguarded.append(f"{ast.unparse(node.value)}[...] at line {self.first_line + node.lineno - 1}")
         flat = self._flatten(node)
         if flat is None or not isinstance(node.ctx, ast.Load):
             return self.generic_visit(node)
@@ -418,10 +422,16 @@ class _IndexGuard(ast.NodeTransformer):
                 "inside a larger expression or with keyword arguments. Rewrite it that way."
             )
         arrays = [self._array(a)[1] for a in node.args if self._array(a) is not None]
+        arrays += [ast.unparse(a) for a in node.args if self._struct_rooted(a)]
         if arrays and not self._is_builtin(func):
             # Warp compiles the function's own body: its accesses are not guarded. Say so (once per kernel).
             self.unguarded.append(f"{', '.join(arrays)} passed to {ast.unparse(func)}() at line {line}")
         return self.generic_visit(node)
+
+    def _struct_rooted(self, node) -> bool:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in self.structs
 
     def _is_builtin(self, func) -> bool:
         node = func
@@ -603,6 +613,7 @@ def _build(kernel) -> CheckedKernel:
             arrays[arg.label] = (arg.type.ndim, zero_name)
             zeros[zero_name] = _zero_of(arg.type.dtype)
     guard = _IndexGuard(kernel.key, arrays, kernel.adj.fun_lineno or 1, func.__globals__)
+    guard.structs = {arg.label for arg in kernel.adj.args if isinstance(arg.type, Struct)}
 
     # A copy of the Python function with the record as its last parameter, and a scope that adds the names the
     # transformed body uses (this module, each array's zero). Warp reads parameters from the signature and
@@ -625,9 +636,9 @@ def _build(kernel) -> CheckedKernel:
                         code_transformers=[guard])
     if guard.unguarded:
         warnings.warn(
-            f"warpnn checked mode: kernel '{kernel.key}' hands arrays to Warp functions whose accesses checked mode "
-            f"does not guard ({'; '.join(guard.unguarded)}). Out-of-range indices inside those functions are not "
-            "caught.",
+            f"warpnn checked mode: kernel '{kernel.key}' has array accesses checked mode does not guard (arrays "
+            f"handed to Warp functions, arrays in structs: {'; '.join(guard.unguarded)}). Out-of-range indices there "
+            "are not caught.",
             RuntimeWarning,
             stacklevel=5,
         )
