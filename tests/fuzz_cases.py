@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 KERNEL_KEYS = {"elementwise": "shifted_scale", "gather": "gather_rows", "scatter": "scatter_pairs"}
-TID_LIMIT = 2**31 - 1  # wp.tid() is a signed 32-bit coordinate
+TID_LIMIT = 2**31  # wp.tid() is a signed 32-bit coordinate: extents up to 2**31 (Warp 1.19)
 
 
 def _wrap(i, n):

@@ -41,7 +41,7 @@ def _cases():
     xv = jax.random.normal(key, (7, 3))
     idx = jnp.array([6, 0, 3, 3, -1], jnp.int32)  # -1: Warp's negative indexing, the last row
     v = jnp.linspace(0.5, 1.5, 5)
-    pairs = jnp.array([[0, 1], [1, 2], [2, 3], [3, 0], [1, 3]], jnp.int32)
+    pairs = jnp.array([[0, 1], [1, 2], [2, 3], [-1, 0], [1, -4]], jnp.int32)  # negative: Warp's wrap-around
     g = jax.random.normal(key, (3, 5))
     shifted = warpnn.jax_kernel(C.shifted_scale)
     gather = warpnn.jax_kernel(C.gather_rows)
@@ -146,7 +146,7 @@ cases = {
     "adjoint under jit": lambda: jax.jit(grad_gather)(xv),
     "view": lambda: rows(jnp.ones((3, 4)), 1, launch_dims=(3, 4), output_dims=3)[0],
     "view row": lambda: rows(jnp.ones((3, 4)), 0, launch_dims=(4, 4), output_dims=4)[0],
-    "atomic slot": lambda: slots(jnp.ones(6), output_dims={"counter": 1, "slots": 4})[1],
+    "atomic slot": lambda: slots(jnp.ones(5), output_dims={"counter": 1, "slots": 4})[1],  # one slot too many
     "vmap": lambda: jax.jit(jax.vmap(lambda i: gather(xv, i, 1.0, launch_dims=3, output_dims=3)[0]))(jnp.stack([jnp.zeros(3, jnp.int32), bad_idx])),
 }
 results = {}
@@ -224,3 +224,13 @@ def test_a_jit_function_compiled_before_runs_checked_inside_the_block():
         f(xv, jnp.array([0, 1], jnp.int32))
     assert not warpnn.is_checked()
     assert_close(f(xv, jnp.array([1, 2], jnp.int32)), jnp.ones((2, 3)))  # traced again after the block
+
+
+def test_struct_fields_are_reported_as_unguarded_and_results_unchanged(key):
+    from .test_structs import _body, _inputs, body_energy, body_energy_ref
+
+    x, weight, offset = _inputs(key)
+    f = warpnn.jax_kernel(body_energy)
+    with warpnn.checked(), pytest.warns(RuntimeWarning, match=r"'body_energy'.*body\.x\[\.\.\.\].*body\.material passed to material_term"):
+        (e,) = f(_body(x, weight), offset)
+    assert_close(e, body_energy_ref(x, weight, offset), 1e-5, 1e-5)

@@ -164,7 +164,10 @@ class WarpKernel:
                 )
             dims = tuple(np.shape(args[first])[: sig.inputs[first].warp_ndim])
         dims = _normalize_dims(dims, "launch_dims", sig)
-        wc.validate_launch_bounds(dims, sig.kernel, self.block_dim)
+        try:
+            wc.validate_launch_bounds(dims, sig.kernel, self.block_dim)
+        except ValueError as e:  # Warp's message does not say which kernel
+            raise ValueError(f"Kernel '{sig.key}': {e}") from None
         out_dims = output_dims if output_dims is not None else self.output_dims
         if out_dims is None:
             out_dims = _default_output_dims(sig, dims, args)

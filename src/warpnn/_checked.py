@@ -36,6 +36,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
 import inspect
 import os
 import sys
@@ -48,7 +49,7 @@ import jax
 import numpy as np
 import warp as wp
 
-from ._signature import ArrayUse, KernelSignature, _arg_spec
+from ._signature import ArrayUse, KernelSignature, Struct, _arg_spec
 
 CHECK_ENV = "WARPNN_CHECK"
 RECORD_NAME = "_warpnn_violation"
@@ -299,7 +300,8 @@ class _IndexGuard(ast.NodeTransformer):
     def __init__(self, kernel_key: str, arrays: dict[str, tuple[int, str]], first_line: int, scope: dict):
         self.key = kernel_key
         self.scope = scope  # the kernel function's globals: to tell Warp builtins from user functions
-        self.unguarded: list[str] = []  # arrays handed to user functions, whose accesses stay unchecked
+        self.unguarded: list[str] = []  # accesses left unchecked: arrays handed to user functions, struct fields
+        self.structs: set[str] = set()  # struct parameters
         self.params = arrays  # array parameter -> (ndim, name of its zero constant)
         self.views: dict[str, tuple[str, int]] = {}  # local view -> (parent parameter, ndim)
         self.sites: list[Site] = []
@@ -330,9 +332,24 @@ class _IndexGuard(ast.NodeTransformer):
     def _err() -> ast.Name:
         return ast.Name(RECORD_NAME, ast.Load())
 
+    # The checks read array extents from variables assigned once, at the top of the body (parameters) or right
+    # after a view is taken, not from `a.shape[k]` at each access: Warp's adjoint of reading `a.shape` sets the
+    # *adjoint* array's shape to zero at that point of the reverse pass, and an adjoint access after it (earlier
+    # in program order) with a negative index would wrap by that zero shape (found by the fuzz: lost gradients).
+
     @staticmethod
-    def _shape(name: str, k: int) -> ast.Subscript:
-        return ast.Subscript(ast.Attribute(ast.Name(name, ast.Load()), "shape", ast.Load()), ast.Constant(k), ast.Load())
+    def _shape_var(name: str, k: int) -> str:
+        return f"_warpnn_shape_{name}_{k}"
+
+    def _shape(self, name: str, k: int) -> ast.Name:
+        return ast.Name(self._shape_var(name, k), ast.Load())
+
+    def _read_shapes(self, name: str, ndim: int, like) -> list[ast.Assign]:
+        reads = []
+        for k in range(ndim):
+            value = ast.Subscript(ast.Attribute(ast.Name(name, ast.Load()), "shape", ast.Load()), ast.Constant(k), ast.Load())
+            reads.append(ast.copy_location(ast.Assign([ast.Name(self._shape_var(name, k), ast.Store())], value), like))
+        return reads
 
     def _flatten(self, node: ast.Subscript):
         """``a[i][j]`` / ``a[i, j]`` on an array -> (array info, [index exprs]); None if not an array access."""
@@ -357,6 +374,9 @@ class _IndexGuard(ast.NodeTransformer):
     # -- expressions
 
     def visit_Subscript(self, node: ast.Subscript):
+        if isinstance(node.value, ast.Attribute) and self._struct_rooted(node.value):
+            # an array field of a struct parameter: Warp knows its shape, this transform does not guard it
+            self.unguarded.append(f"{ast.unparse(node.value)}[...] at line {self.first_line + node.lineno - 1}")
         flat = self._flatten(node)
         if flat is None or not isinstance(node.ctx, ast.Load):
             return self.generic_visit(node)
@@ -402,10 +422,16 @@ class _IndexGuard(ast.NodeTransformer):
                 "inside a larger expression or with keyword arguments. Rewrite it that way."
             )
         arrays = [self._array(a)[1] for a in node.args if self._array(a) is not None]
+        arrays += [ast.unparse(a) for a in node.args if self._struct_rooted(a)]
         if arrays and not self._is_builtin(func):
             # Warp compiles the function's own body: its accesses are not guarded. Say so (once per kernel).
             self.unguarded.append(f"{', '.join(arrays)} passed to {ast.unparse(func)}() at line {line}")
         return self.generic_visit(node)
+
+    def _struct_rooted(self, node) -> bool:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in self.structs
 
     def _is_builtin(self, func) -> bool:
         node = func
@@ -439,7 +465,7 @@ class _IndexGuard(ast.NodeTransformer):
                     (name, parent, ndim), indices = flat
                     node.value = self.visit(value)
                     self.views[target] = (parent, ndim - len(indices))
-                    return node
+                    return [node, *self._read_shapes(target, ndim - len(indices), node)]
             # old = wp.atomic_add(a, i, v)
             if isinstance(value, ast.Call):
                 fname = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", None)
@@ -520,9 +546,11 @@ class _IndexGuard(ast.NodeTransformer):
 
     def visit_FunctionDef(self, node: ast.FunctionDef):
         node.args.args.append(ast.arg(RECORD_NAME, None))
-        node.body = [self.visit(s) for s in node.body]
+        body = [self.visit(s) for s in node.body]
         flat = []
-        for s in node.body:
+        for name, (ndim, _) in self.params.items():
+            flat += self._read_shapes(name, ndim, node.body[0])
+        for s in body:
             flat.extend(s if isinstance(s, list) else [s])
         node.body = flat
         return node
@@ -585,6 +613,7 @@ def _build(kernel) -> CheckedKernel:
             arrays[arg.label] = (arg.type.ndim, zero_name)
             zeros[zero_name] = _zero_of(arg.type.dtype)
     guard = _IndexGuard(kernel.key, arrays, kernel.adj.fun_lineno or 1, func.__globals__)
+    guard.structs = {arg.label for arg in kernel.adj.args if isinstance(arg.type, Struct)}
 
     # A copy of the Python function with the record as its last parameter, and a scope that adds the names the
     # transformed body uses (this module, each array's zero). Warp reads parameters from the signature and
@@ -599,19 +628,24 @@ def _build(kernel) -> CheckedKernel:
         inspect.Parameter(RECORD_NAME, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=record_type),
     ])
     variant.__qualname__, variant.__module__ = func.__qualname__, func.__module__
-    module = wp.get_module(f"warpnn_checked.{kernel.module.name}.{kernel.key}")
+    # Warp's module hash covers the kernel's source, not what a code transformer made of it: name the module
+    # after this file's contents, so that a changed transform never loads a stale cached build.
+    module = wp.get_module(f"warpnn_checked_{_TRANSFORM_VERSION}.{kernel.module.name}.{kernel.key}")
     module.options.update(kernel.module.options)
     checked = wp.Kernel(variant, key=f"{kernel.key}__checked", module=module, options=dict(kernel.options),
                         code_transformers=[guard])
     if guard.unguarded:
         warnings.warn(
-            f"warpnn checked mode: kernel '{kernel.key}' hands arrays to Warp functions whose accesses checked mode "
-            f"does not guard ({'; '.join(guard.unguarded)}). Out-of-range indices inside those functions are not "
-            "caught.",
+            f"warpnn checked mode: kernel '{kernel.key}' has array accesses checked mode does not guard (arrays "
+            f"handed to Warp functions, arrays in structs: {'; '.join(guard.unguarded)}). Out-of-range indices there "
+            "are not caught.",
             RuntimeWarning,
             stacklevel=5,
         )
     return CheckedKernel(checked, tuple(guard.sites))
+
+
+_TRANSFORM_VERSION = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:8]  # noqa: SIM115
 
 
 def _zero_of(dtype):
