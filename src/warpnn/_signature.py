@@ -288,3 +288,166 @@ def signature_of(kernel: Any, num_outputs: int) -> KernelSignature:
     sig = KernelSignature(kernel, inputs, outputs)
     _SIGNATURES[cache_key] = sig
     return sig
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-array access of a whole kernel, for callers that replay launches of arbitrary kernels (the launch
+# tracer): which array parameters a kernel reads, which it writes, and how.
+
+# Builtins whose first argument is written; only these two, used as statements, merely accumulate.
+_ATOMIC_WRITE_CALLS = {
+    "atomic_add", "atomic_sub", "atomic_min", "atomic_max", "atomic_cas", "atomic_exch",
+    "atomic_and", "atomic_or", "atomic_xor", "tile_atomic_add",
+}
+_PLAIN_WRITE_CALLS = {"tile_store", "array_store"}  # first argument written, old values not read
+_READ_ONLY_CALLS = {"tile_load", "lower_bound", "len"}  # array arguments only read
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayAccess:
+    """How one kernel uses one of its array parameters, found conservatively in its source.
+
+    ``accumulated_only``: written only by ``a[i] += v`` / ``-=`` or statement calls of ``wp.atomic_add`` /
+    ``wp.atomic_sub``, and never read, so the launch's effect is "previous value + what the kernel adds".
+    Any use the analysis cannot classify (an array passed to a ``@wp.func``, bound to a local name, ...)
+    counts as both a read and a plain write.
+    """
+
+    read: bool
+    written: bool
+    accumulated_only: bool
+
+    @property
+    def read_and_written(self) -> bool:
+        return self.read and self.written
+
+
+def array_accesses(kernel: Any) -> dict[str, ArrayAccess]:
+    """How ``kernel`` reads and writes each of its array parameters, keyed by parameter name.
+
+    Calls of user ``@wp.func``s are followed into their source (arrays passed positionally or by keyword);
+    anything else the analysis cannot classify counts as a read and a plain write. Raises ``TypeError``
+    when the kernel has no source tree to inspect (nothing can then be assumed).
+    """
+    cached = getattr(kernel, "_warpnn_array_accesses", None)
+    if cached is not None:
+        return cached
+    adj = getattr(kernel, "adj", None)
+    if getattr(adj, "tree", None) is None:
+        raise TypeError(f"Kernel '{getattr(kernel, 'key', kernel)}' has no Python source to analyse.")
+    reads, accumulates, plain_writes = _function_accesses(adj, depth=0)
+    accesses = {
+        n: ArrayAccess(
+            read=n in reads,
+            written=n in accumulates or n in plain_writes,
+            accumulated_only=n in accumulates and n not in plain_writes and n not in reads,
+        )
+        for n in sorted(a.label for a in adj.args if wc.matches_array_class(a.type, wp.array))
+    }
+    kernel._warpnn_array_accesses = accesses
+    return accesses
+
+
+_MAX_CALL_DEPTH = 8
+
+
+def _user_function(adj, func_node):
+    """The user ``@wp.func`` a call refers to, if it is one whose source can be followed."""
+    scope = getattr(adj.func, "__globals__", {})
+    if isinstance(func_node, ast.Name):
+        target = scope.get(func_node.id)
+    elif isinstance(func_node, ast.Attribute) and isinstance(func_node.value, ast.Name):
+        target = getattr(scope.get(func_node.value.id), func_node.attr, None)
+    else:
+        return None
+    if isinstance(target, wp._src.context.Function) and not target.is_builtin() and getattr(target, "adj", None) is not None:
+        return target
+    return None
+
+
+def _function_accesses(adj, depth: int) -> tuple[set[str], set[str], set[str]]:
+    """(read, accumulated, plainly written) array parameters of one kernel or ``@wp.func`` body."""
+    tree = adj.tree
+    names = {a.label for a in adj.args if wc.matches_array_class(a.type, wp.array)}
+    reads, accumulates, plain_writes, classified = set(), set(), set(), set()
+    statements = {id(p.value) for p in ast.walk(tree) if isinstance(p, ast.Expr)}
+
+    def array_name(node):
+        return node.id if isinstance(node, ast.Name) and node.id in names else None
+
+    def subscript_base(node):
+        return array_name(node.value) if isinstance(node, ast.Subscript) else None
+
+    def unknown(name):
+        reads.add(name)
+        plain_writes.add(name)
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                name = subscript_base(target)
+                if name is None:
+                    continue
+                classified.add(id(target.value))
+                if isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.Add, ast.Sub)):
+                    accumulates.add(name)  # Warp makes `a[i] += v` an atomic add
+                elif isinstance(node, ast.AugAssign):
+                    unknown(name)
+                else:
+                    plain_writes.add(name)
+        elif isinstance(node, ast.Call):
+            fname = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            passed = [(i, None, a) for i, a in enumerate(node.args)] + [(None, k.arg, k.value) for k in node.keywords]
+            passed = [(i, kw, array_name(a), a) for i, kw, a in passed if array_name(a)]
+            if not passed:
+                continue
+            callee = _user_function(adj, node.func) if depth < _MAX_CALL_DEPTH else None
+            callee_access = _function_accesses(callee.adj, depth + 1) if callee is not None else None
+            for i, kw, name, arg in passed:
+                classified.add(id(arg))
+                if callee_access is not None:
+                    params = [a.label for a in callee.adj.args]
+                    param = kw if kw is not None else params[i] if i < len(params) else None
+                    if param is None:
+                        unknown(name)
+                        continue
+                    for found, into in zip(callee_access, (reads, accumulates, plain_writes)):
+                        if param in found:
+                            into.add(name)
+                elif i == 0 and fname in _ATOMIC_WRITE_CALLS:
+                    if fname in ("atomic_add", "atomic_sub", "tile_atomic_add") and id(node) in statements:
+                        accumulates.add(name)
+                    else:  # min/max/cas/exch, or a used return value: the old value is read
+                        unknown(name)
+                elif i == 0 and fname in _PLAIN_WRITE_CALLS:
+                    plain_writes.add(name)
+                elif fname in _READ_ONLY_CALLS:
+                    reads.add(name)
+                else:  # another builtin or a function whose source cannot be followed
+                    unknown(name)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            name = subscript_base(node)
+            if name is not None:
+                classified.add(id(node.value))
+                reads.add(name)
+        elif isinstance(node, ast.Attribute) and array_name(node.value) and node.attr in ("shape", "ndim", "size"):
+            classified.add(id(node.value))  # metadata, not data
+        elif isinstance(node, (ast.If, ast.IfExp, ast.While, ast.UnaryOp, ast.BoolOp)):
+            # `if arr:` / `not arr` / `a and b` test for a null array: metadata, not data
+            tests = node.values if isinstance(node, ast.BoolOp) else [node.operand if isinstance(node, ast.UnaryOp) else node.test]
+            if isinstance(node, ast.UnaryOp) and not isinstance(node.op, ast.Not):
+                tests = []
+            classified.update(id(t) for t in tests if array_name(t))
+    for node in ast.walk(tree):  # any other mention (aliasing, returning the array, ...): unknown
+        name = array_name(node)
+        if name is not None and id(node) not in classified:
+            unknown(name)
+    return reads, accumulates, plain_writes
+
+
+def fully_written(kernel: Any, name: str) -> bool:
+    """Whether every thread of ``kernel`` stores ``name[tid...]`` unconditionally (see ``outputs_fully_written``)."""
+    try:
+        return _fully_written(kernel.adj.tree, name)
+    except Exception:  # noqa: BLE001 - no source tree: not provably written
+        return False
