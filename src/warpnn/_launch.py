@@ -85,7 +85,9 @@ def _array_desc(buf: _Buffer | None, spec: ArgSpec, offset: int):
     if buf is None:  # no adjoint for this argument (integer array): Warp skips null adjoint arrays
         return wc.array_t()
     strides = wc.strides_from_shape(buf.warp_dims, spec.warp_dtype)
-    return wc.array_t(buf.data + offset, 0, spec.warp_ndim, buf.warp_dims, strides)
+    # A zero-size array is Warp's null array (as wp.zeros(0) is), so `if arr:` in a kernel is false for it.
+    data = buf.data + offset if buf.item_bytes else 0
+    return wc.array_t(data, 0, spec.warp_ndim, buf.warp_dims, strides)
 
 
 def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):

@@ -357,7 +357,9 @@ class _Recorder:
         key_of = kernel.key
         bad_scalar = [p.label for i, p in enumerate(params) if i >= first_out and not is_array[i]]
         not_written = [p.label for i, p in enumerate(params) if i >= first_out and is_array[i] and not written[i]]
-        read_written = [p.label for i, p in enumerate(params) if i >= first_out and accesses[p.label].read_and_written]
+        read_written = [p.label for i, p in enumerate(params) if is_array[i] and accesses[p.label].read_and_written]
+        if read_written:
+            raise TypeError(IN_OUT_MESSAGE.format(key=key_of, how="reads and writes", names=read_written))
         if bad_scalar or not_written:
             raise TypeError(
                 f"warpnn.trace: kernel '{key_of}' writes '{params[first_out].label}' but also takes "
@@ -365,8 +367,6 @@ class _Recorder:
                 "trailing arguments of a kernel as its outputs, so every argument after the first written one "
                 "must be a written array. Fix: move the written arrays to the end of the kernel's signature."
             )
-        if read_written:
-            raise TypeError(IN_OUT_MESSAGE.format(key=key_of, how="reads and writes", names=read_written))
 
         rec_inputs = []
         for i, (p, value) in enumerate(zip(params[:first_out], args[:first_out])):
