@@ -14,7 +14,7 @@ T, DT = 100, 1e-3
 PARAMS = ("spring_stiffness", "tri_materials", "shape_material_ke")
 
 
-def cloth_scene(requires_grad=False, solver="semi_implicit"):
+def cloth_scene(requires_grad=False, solver="semi_implicit", device="cpu"):
     """A 5x5 cloth with springs thrown onto a ground plane (contact with friction)."""
     builder = newton.ModelBuilder()
     builder.add_cloth_grid(
@@ -23,7 +23,7 @@ def cloth_scene(requires_grad=False, solver="semi_implicit"):
         tri_ke=1e2, tri_ka=1e2, tri_kd=0.1,
     )
     builder.add_ground_plane(cfg=newton.ModelBuilder.ShapeConfig(ke=1e3, kd=10.0, kf=10.0, mu=0.5))
-    model = builder.finalize(device="cpu", requires_grad=requires_grad)
+    model = builder.finalize(device=device, requires_grad=requires_grad)
     model.particle_grid = None  # no particle self-contact: its HashGrid is rebuilt on the host every step
     model.spring_rest_length.assign(model.spring_rest_length.numpy() * 0.8)  # pre-stretched: springs matter
     model.soft_contact_ke, model.soft_contact_kd, model.soft_contact_kf, model.soft_contact_mu = 1e3, 10.0, 10.0, 0.5
@@ -179,3 +179,45 @@ def test_refusals_are_clear():
     model.particle_grid = wp.HashGrid(8, 8, 8, device="cpu")  # particle self-contact on: rebuilt every step
     with pytest.raises(RuntimeError, match="HashGrid.build"):
         NewtonStep(model, solver, DT, contacts=contacts)
+
+
+def test_readme_example_runs(tmp_path):
+    """The README's "Bring your simulator" block, as a user would paste it (fresh process)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Bring your simulator", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Array(" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_rollout_replays_from_cuda_graphs():
+    """On CUDA, XLA replays the scan body (every Newton launch and adjoint) from CUDA graphs, default flags."""
+    from warpnn import _launch
+
+    model, solver, contacts = cloth_scene(device="cuda:0")
+    with pytest.warns(UserWarning):
+        step = NewtonStep(model, solver, DT, contacts=contacts, param_fields=PARAMS)
+
+    def loss(state, params):
+        final, _ = rollout(lambda s, c, p: step(s, None, p), state, None, params, num_steps=T)
+        return final["particle_q"].sum()
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    args = (step.initial_state(), step.initial_params())
+    for _ in range(3):
+        jax.block_until_ready(grad(*args))
+    before = sum(_launch.LAUNCHER.handler_entries.values())
+    for _ in range(10):
+        jax.block_until_ready(grad(*args))
+    launches = 10 * T * 2 * step.program.num_launches  # forward and adjoint of each launch, every step
+    per_launch = (sum(_launch.LAUNCHER.handler_entries.values()) - before) / launches
+    assert per_launch < 0.1, per_launch
