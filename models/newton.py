@@ -21,15 +21,18 @@ The three pytrees are dicts named after Newton's fields:
 
 Solvers and how each was checked (``tests/test_models_newton.py``):
 
-* ``SolverSemiImplicit``: forward (a 200-step cloth rollout with ground contact equals Newton's own loop to
-  float32 rounding) and reverse (gradients w.r.t. per-step forces, initial velocities, spring and triangle
+* ``SolverSemiImplicit``: forward (a 100-step cloth rollout with ground contact and friction equals Newton's
+  own loop to <= 1e-6 m) and reverse (gradients w.r.t. per-step forces, the initial state, spring and triangle
   materials and contact stiffness equal ``wp.Tape``'s over the same rollout and agree with central
   differences); ``vmap`` equals per-element runs. Particle self-contact rebuilds a ``HashGrid`` on the host
   every step, which the replay refuses: set ``model.particle_grid = None`` (Newton's advice for gradients)
   or pass ``frozen_host_ops=True``.
-* ``SolverXPBD``: forward only (Newton rates it not differentiable), checked against Newton's own loop.
-* ``SolverFeatherstone``: not supported yet; its kernels read arrays they also write, which the replay
-  needs the bridge's in-out arguments for (the tracer says so when asked).
+* ``SolverXPBD``: forward only (Newton rates it not differentiable), equal to Newton's own loop; set
+  ``model.particle_max_radius = 0`` or build no particle grid (its particle-particle contact rebuilds one).
+* ``SolverFeatherstone``: forward only, equal to Newton's own loop on a 3-link pendulum chain (pass
+  ``state_fields=("joint_q", "joint_qd", "body_q", "body_qd")``). Reverse mode is refused by the bridge with
+  the reason: its forward-kinematics kernels read elements that other threads of the same launch write, which
+  Warp's adjoint cannot replay (one ``wp.Tape`` over many steps is several percent off finite differences).
 
 Example::
 

@@ -7,7 +7,7 @@ import pytest
 import warp as wp
 
 import warpnn
-from warpnn._signature import array_accesses
+from warpnn._signature import kernel_array_uses
 
 from .helpers import assert_close
 
@@ -39,7 +39,7 @@ def integrate(x: wp.array(dtype=wp.vec3), v: wp.array(dtype=wp.vec3), f: wp.arra
 
 
 @wp.kernel
-def scale_in_place(a: wp.array(dtype=float), s: float):
+def scale_in_place(s: float, a: wp.array(dtype=float)):
     i = wp.tid()
     a[i] = a[i] * s
 
@@ -83,14 +83,33 @@ def traced_springs():
     return sim, program
 
 
-def test_array_accesses_classifies_writes():
-    acc = array_accesses(spring_force)
-    assert acc["f"].accumulated_only and not acc["f"].read
-    assert acc["x"].read and not acc["x"].written
-    acc = array_accesses(integrate)
-    assert acc["v_new"].written and not acc["v_new"].accumulated_only and not acc["v_new"].read
-    assert not acc["unused"].written  # `if unused:` tests for a null array only
-    assert array_accesses(scale_in_place)["a"].read_and_written
+def test_kernel_array_uses_classifies_writes():
+    uses = kernel_array_uses(spring_force)
+    assert uses["f"].writes and not uses["f"].reads and {a.kind for a in uses["f"].accesses} == {"accumulate"}
+    assert uses["x"].reads and not uses["x"].writes
+    uses = kernel_array_uses(integrate)
+    assert uses["v_new"].writes and not uses["v_new"].reads
+    assert not uses["unused"].writes  # `if unused:` tests for a null array only
+    uses = kernel_array_uses(scale_in_place)["a"]
+    assert uses.reads and uses.writes
+
+
+def test_in_place_kernel_replays_and_differentiates():
+    a = wp.array(np.arange(4.0), dtype=float)
+    b = wp.zeros(4, dtype=wp.vec3)
+
+    def fn():
+        wp.launch(scale_in_place, 4, inputs=[3.0, a])
+        wp.launch(gravity_force, 4, inputs=[a, 1.0], outputs=[b])
+
+    program = warpnn.trace(fn, inputs={"a": a}, outputs={"a": a, "b": b})
+    assert "a updated" in program.describe()
+    x = jnp.linspace(1.0, 2.0, 4)
+    out = program({"a": x})
+    assert_close(out["a"], 3 * x)
+    assert_close(out["b"][:, 2], -3 * x)
+    grad = jax.grad(lambda x: (program({"a": x})["a"] ** 2).sum() + program({"a": x})["b"].sum())(x)
+    assert_close(grad, 18 * x - 3)
 
 
 def test_replay_equals_warp_and_pure_jax():
@@ -183,10 +202,16 @@ def test_refuses_host_rebuilds_unless_frozen():
     assert_close(program({"p": jnp.ones((16, 3))})["o"], np.ones((16, 3)))
 
 
-def test_refuses_in_place_kernels_clearly():
-    a = wp.array(np.arange(4.0), dtype=float)
-    with pytest.raises(TypeError, match=r"scale_in_place.*reads and writes.*\['a'\]"):
-        warpnn.trace(lambda: wp.launch(scale_in_place, 4, inputs=[a, 2.0]), inputs={"a": a}, outputs={"a": a})
+@wp.kernel
+def scaled_copy(a: wp.array(dtype=float), b: wp.array(dtype=float), s: float):
+    i = wp.tid()
+    b[i] = a[i] * s
+
+
+def test_refuses_scalars_after_written_arrays():
+    a, b = wp.zeros(4, dtype=float), wp.zeros(4, dtype=float)
+    with pytest.raises(TypeError, match=r"scaled_copy.*writes 'b'.*\['s'\]"):
+        warpnn.trace(lambda: wp.launch(scaled_copy, 4, inputs=[a, b, 2.0]), inputs={"a": a}, outputs={"b": b})
 
 
 def test_inputs_checked():

@@ -103,9 +103,11 @@ class _CallSpec:
 
     target: str
     result_shapes: tuple[tuple[int, ...], ...]
-    result_dtypes: tuple[str, ...]
+    result_dtypes: tuple[np.dtype, ...]  # dtypes, not dtype strings: bfloat16's string is '<V2'
     attrs: tuple[tuple[str, Any], ...]
     batch_shape: tuple[int, ...] = ()
+    aliases: tuple[tuple[int, int], ...] = ()  # (operand, result): the result starts as the operand's buffer
+    has_side_effect: bool = False
 
     @property
     def num_batch(self) -> int:
@@ -115,7 +117,7 @@ class _CallSpec:
         return {name: _thaw(value) for name, value in self.attrs}
 
     def result_types(self, batch_shape: tuple[int, ...]) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct((*batch_shape, *shape), np.dtype(dtype))
+        return [jax.ShapeDtypeStruct((*batch_shape, *shape), dtype)
                 for shape, dtype in zip(self.result_shapes, self.result_dtypes)]
 
 
@@ -141,17 +143,23 @@ def ffi_call(
     result_types: Sequence[jax.ShapeDtypeStruct],
     operands: Sequence[jax.Array],
     attrs: dict[str, Any],
+    aliases: dict[int, int] | None = None,
+    has_side_effect: bool = False,
 ) -> list[jax.Array]:
-    """``jax.ffi.ffi_call(target, result_types, vmap_method="expand_dims")(*operands, **attrs)``, as a
-    primitive that shards its ``vmap`` batch dimensions under ``jax.jit`` and types its outputs under
-    ``shard_map``."""
+    """``jax.ffi.ffi_call(target, result_types, vmap_method="expand_dims", input_output_aliases=aliases,
+    has_side_effect=...)(*operands, **attrs)``, as a primitive that shards its ``vmap`` batch dimensions under
+    ``jax.jit`` and types its outputs under ``shard_map``."""
     spec = _CallSpec(
         target,
         tuple(tuple(int(d) for d in t.shape) for t in result_types),
-        tuple(np.dtype(t.dtype).str for t in result_types),
+        tuple(np.dtype(t.dtype) for t in result_types),
         tuple((name, _freeze(value)) for name, value in sorted(attrs.items())),
+        aliases=tuple(sorted((aliases or {}).items())),
+        has_side_effect=bool(has_side_effect),
     )
-    if _UNAVAILABLE is not None or not operands:  # nothing to shard without operands
+    # A call with a side effect must reach XLA even when its results are unused: jax.ffi.ffi_call carries
+    # the effect, this primitive does not (JAX would drop it as dead code), so such calls are not partitioned.
+    if _UNAVAILABLE is not None or not operands or has_side_effect:  # nothing to shard without operands
         if _UNAVAILABLE is not None:
             _warn_unavailable()
         return _plain_call(spec, *operands)
@@ -176,7 +184,8 @@ def _warn_unavailable() -> None:
 def _plain_call(spec: _CallSpec, *operands):
     """The Warp FFI call itself, on whatever (local) shapes the operands have."""
     batch = _batch_shape(spec, operands)
-    call = jax.ffi.ffi_call(spec.target, spec.result_types(batch), vmap_method="expand_dims")
+    call = jax.ffi.ffi_call(spec.target, spec.result_types(batch), vmap_method="expand_dims",
+                            input_output_aliases=dict(spec.aliases) or None, has_side_effect=spec.has_side_effect)
     return list(call(*operands, **spec.ffi_attrs()))
 
 
@@ -220,6 +229,10 @@ def _batching_rule(operands, dims, *, spec: _CallSpec):
     # broadcasts them with stride 0 instead of materialising copies.
     moved = [jnp.expand_dims(op, 0) if d is None else jnp.moveaxis(op, d, 0) for op, d in zip(operands, dims)]
     batched = dataclasses.replace(spec, batch_shape=(size, *spec.batch_shape))
+    # An aliased operand becomes its result's buffer, so it must carry the result's full batch.
+    for k, _ in spec.aliases:
+        full = (*batched.batch_shape, *moved[k].shape[batched.num_batch :])
+        moved[k] = jnp.broadcast_to(moved[k], full)
     outs = warpnn_call_p.bind(*moved, spec=batched)
     return outs, [0] * len(outs)
 

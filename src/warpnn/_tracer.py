@@ -8,21 +8,23 @@ arrays that performs the same operations, each launch as one ``warpnn.jax_kernel
 every launch, so ``grad`` (through each kernel's Warp adjoint), ``vmap``, ``lax.scan``, ``jax.checkpoint``
 and XLA's CUDA graphs work on the whole step, with no Python per step.
 
-How a recorded launch becomes a functional call (the write analysis is ``_signature.array_accesses``):
+How a recorded launch becomes a functional call (what a kernel reads and writes comes from the bridge's
+analysis, ``_signature.kernel_array_uses``):
 
 * arrays the caller names as ``inputs`` are the program's JAX arguments; every other array is a
   constant captured when it is first touched (its value before the step);
-* an array a kernel writes only with ``wp.atomic_add`` / ``atomic_sub`` / ``+=`` / ``-=`` becomes "its
-  previous value + the kernel's output" (the bridge zeroes outputs, so the kernel's output is what it
-  added), which is also what makes the gradient right;
-* an array a kernel writes with plain stores becomes the kernel's output;
-* ``None`` for an array parameter becomes an empty array of the parameter's type.
+* the kernel's arguments from the first one it writes to the end are the call's results: an array every
+  thread provably stores whole is a pure output; every other one (accumulated into with ``wp.atomic_add``
+  / ``+=``, stored under a condition, read and written) is an in-out argument, updated from its previous
+  value exactly as Warp updates it, and differentiated through the bridge's in-out adjoint;
+* ``None`` for an array parameter stays ``None`` (Warp's null array; an empty output when it is a result).
 
 Refused, with an error naming the operation and the fix: host reads of array data inside the function
 (``array.numpy()``: its control flow could depend on data the replay would freeze), host-side rebuilds
 of acceleration structures (``HashGrid.build``, ``Mesh.refit``, ...) unless ``frozen_host_ops=True``,
-Warp's native array utilities (scans, sorts), graph capture, adjoint launches, kernels that read and
-write one array (until the bridge has in-out arguments), struct arguments, and aliasing array views.
+Warp's native array utilities (scans, sorts), graph capture, adjoint launches, scalar parameters after a
+written array, struct arguments, and aliasing array views. Reverse mode through a kernel that reads values
+other threads write is refused by the bridge when differentiated.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import warp as wp
 
 from . import _warp_compat as wc
 from ._bridge import jax_kernel
-from ._signature import array_accesses, fully_written, signature_of
+from ._signature import fully_written, kernel_array_uses
 
 # What the tracer refuses, with the fix. Module constants so that tests and docs can refer to them.
 HOST_READ_MESSAGE = (
@@ -65,11 +67,11 @@ UNSUPPORTED_OP_MESSAGE = (
     "code or graph machinery) and cannot be replayed as a JAX operation. Fix: call it outside the traced "
     "function, or replace it by a kernel."
 )
-IN_OUT_MESSAGE = (
-    "warpnn.trace: kernel '{key}' {how} array argument(s) {names}; the replay needs the bridge's in-out "
-    "arguments (in_out_argnames) for that, which this warpnn.jax_kernel does not have. Fix: write the "
-    "result to a separate array (or accumulate with wp.atomic_add / +=), or trace the step once "
-    "warpnn.jax_kernel supports in_out_argnames."
+RESULT_ORDER_MESSAGE = (
+    "warpnn.trace: kernel '{key}' writes '{first}' but takes the scalar(s) {scalars} after it. warpnn.jax_kernel "
+    "(like wp.jax_kernel) returns the trailing arguments of a kernel as its results, so every argument after "
+    "the first one the kernel writes must be an array. Fix: move the kernel's scalar parameters before the "
+    "arrays it writes."
 )
 
 
@@ -85,12 +87,21 @@ class _ArrayInfo:
 
 @dataclasses.dataclass(frozen=True)
 class _Launch:
+    """One kernel launch as a ``warpnn.jax_kernel`` call: the arguments ``params[first_result:]`` are its results.
+
+    Results are in-out arrays (passed in with their previous value, so the kernel updates it as Warp would:
+    accumulations, stores under a condition, reads of the old value) except a trailing run of pure outputs:
+    arrays each thread provably stores whole, and ``None`` results (Warp's null array: an empty output).
+    """
+
     kernel: Any
     dims: tuple[int, ...]
-    num_outputs: int
-    inputs: tuple[tuple[str, Any], ...]  # ("array", key) | ("none", (shape, dtype)) | ("scalar", value)
-    outputs: tuple[tuple[str, Any, str], ...]  # (how, key or None, param name); how: "set" | "accumulate"
-    output_shapes: tuple[tuple[int, ...], ...]  # JAX shapes of the outputs
+    block_dim: int | None
+    num_outputs: int  # results, in-out arrays included
+    in_out_names: tuple[str, ...]
+    inputs: tuple[tuple[str, Any], ...]  # the call's arguments: ("array", key) | ("none", None) | ("scalar", value)
+    results: tuple[tuple[Any, str], ...]  # (key or None, param name), in the call's result order
+    output_dims: tuple[tuple[str, tuple[int, ...]], ...]  # JAX shapes of the pure outputs, by name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +159,7 @@ class WarpProgram:
         lines = []
         for op in self._ops:
             if isinstance(op, _Launch):
-                outs = ", ".join(f"{p}{' +=' if how == 'accumulate' else ' ='}" for how, _, p in op.outputs)
+                outs = ", ".join(f"{p} {'updated' if p in op.in_out_names else '='}" for _, p in op.results)
                 lines.append(f"launch {op.kernel.key} dims {op.dims}: {outs}")
             elif isinstance(op, _Copy):
                 lines.append(f"copy {label(op.src)} -> {label(op.dest)}")
@@ -208,27 +219,17 @@ class WarpProgram:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_call(kernel, num_outputs):
-    return jax_kernel(kernel, num_outputs)
+def _kernel_call(kernel, num_outputs, in_out_names, block_dim):
+    return jax_kernel(kernel, num_outputs, in_out_argnames=list(in_out_names), block_dim=block_dim)
 
 
 def _replay_launch(op: _Launch, get, env) -> None:
-    args = []
-    for kind, value in op.inputs:
-        if kind == "array":
-            args.append(get(value))
-        elif kind == "none":
-            shape, dtype = value
-            args.append(jnp.zeros(shape, dtype))
-        else:
-            args.append(value)
-    sig = signature_of(op.kernel, op.num_outputs)
-    output_dims = {spec.name: shape for spec, shape in zip(sig.outputs, op.output_shapes)}
-    results = _kernel_call(op.kernel, op.num_outputs)(*args, launch_dims=op.dims, output_dims=output_dims)
-    for (how, key, _), result in zip(op.outputs, results):
-        if key is None:  # a None output: Warp's null array, nothing to keep
-            continue
-        env[key] = get(key) + result if how == "accumulate" else result
+    args = [get(v) if kind == "array" else None if kind == "none" else v for kind, v in op.inputs]
+    call = _kernel_call(op.kernel, op.num_outputs, op.in_out_names, op.block_dim)
+    results = call(*args, launch_dims=op.dims, output_dims=dict(op.output_dims) if op.output_dims else None)
+    for (key, _), result in zip(op.results, results):
+        if key is not None:  # a None result is Warp's null array: nothing to keep
+            env[key] = result
 
 
 def _replay_copy(op: _Copy, dest: jax.Array, src: jax.Array) -> jax.Array:
@@ -339,72 +340,61 @@ class _Recorder:
         params = kernel.adj.args
         if len(args) != len(params):
             raise TypeError(f"warpnn.trace: kernel '{kernel.key}' takes {len(params)} arguments, got {len(args)}.")
-        if block_dim not in (None, 0) and block_dim != wc.resolve_block_dim(wp.get_device(), None):
-            raise TypeError(
-                f"warpnn.trace: kernel '{kernel.key}' was launched with block_dim={block_dim} (a tiled launch); "
-                "warpnn.jax_kernel has no block_dim yet. Fix: launch it outside the traced function."
-            )
         dims = (int(dim),) if isinstance(dim, (int, np.integer)) else tuple(int(d) for d in dim)
         if math.prod(dims) == 0:  # Warp launches nothing: nothing changes
             return
-        accesses = array_accesses(kernel)
-        is_array = [wc.matches_array_class(p.type, wp.array) for p in params]
-        written = [is_array[i] and accesses[p.label].written for i, p in enumerate(params)]
+        uses = kernel_array_uses(kernel)
+        is_array = [p.label in uses for p in params]
+        written = [is_array[i] and uses[p.label].writes for i, p in enumerate(params)]
         if not any(written):
-            return  # writes nothing the replay can see (a kernel with side effects only through ids/pointers)
-        first_out = written.index(True)
-        num_outputs = len(params) - first_out
-        key_of = kernel.key
-        bad_scalar = [p.label for i, p in enumerate(params) if i >= first_out and not is_array[i]]
-        not_written = [p.label for i, p in enumerate(params) if i >= first_out and is_array[i] and not written[i]]
-        read_written = [p.label for i, p in enumerate(params) if is_array[i] and accesses[p.label].read_and_written]
-        if read_written:
-            raise TypeError(IN_OUT_MESSAGE.format(key=key_of, how="reads and writes", names=read_written))
-        if bad_scalar or not_written:
-            raise TypeError(
-                f"warpnn.trace: kernel '{key_of}' writes '{params[first_out].label}' but also takes "
-                f"{bad_scalar + not_written} after it, which it does not write. warpnn.jax_kernel returns the "
-                "trailing arguments of a kernel as its outputs, so every argument after the first written one "
-                "must be a written array. Fix: move the written arrays to the end of the kernel's signature."
-            )
+            return  # writes no array: nothing the replay can see
+        first = written.index(True)
+        scalars = [p.label for i, p in enumerate(params) if i >= first and not is_array[i]]
+        if scalars:
+            raise TypeError(RESULT_ORDER_MESSAGE.format(key=kernel.key, first=params[first].label, scalars=scalars))
 
-        rec_inputs = []
-        for i, (p, value) in enumerate(zip(params[:first_out], args[:first_out])):
+        # Pure outputs: a trailing run of None results and of arrays every thread stores whole; the bridge zeroes
+        # (or fully overwrites) them. Every other result is in-out, updated from its previous value.
+        pure = len(params)
+        while pure > first:
+            p, value = params[pure - 1], args[pure - 1]
+            whole = value is not None and uses[p.label].writes and not uses[p.label].reads and (
+                fully_written(kernel, p.label) and tuple(value.shape) == dims)
+            if not (value is None or whole):
+                break
+            pure -= 1
+        in_out = [p.label for p in params[first:pure]]
+        call_inputs = []
+        for i, (p, value) in enumerate(zip(params[:pure], args[:pure])):
             if not is_array[i]:
-                if isinstance(value, wp.array) or hasattr(value, "_cls"):
-                    raise TypeError(f"warpnn.trace: kernel '{key_of}', argument '{p.label}': struct arguments cannot be replayed yet.")
-                rec_inputs.append(("scalar", _plain_scalar(value)))
+                if hasattr(value, "_cls") or type(value).__name__ == "StructInstance":
+                    raise TypeError(f"warpnn.trace: kernel '{kernel.key}', argument '{p.label}': struct arguments cannot be replayed yet.")
+                call_inputs.append(("scalar", _plain_scalar(value)))
             elif value is None:
-                rec_inputs.append(("none", (self._empty_shape(p.type), _scalar_dtype(p.type.dtype))))
+                call_inputs.append(("none", None))
             else:
-                rec_inputs.append(("array", self.touch(value, p.label)))
-        rec_outputs, shapes = [], []
-        for p, value in zip(params[first_out:], args[first_out:]):
-            access = accesses[p.label]
+                call_inputs.append(("array", self.touch(value, p.label)))
+        results, output_dims = [], []
+        for i, (p, value) in enumerate(zip(params[first:], args[first:]), start=first):
             if value is None:
-                rec_outputs.append(("set", None, p.label))
-                shapes.append(self._empty_shape(p.type))
+                results.append((None, p.label))
+                if i >= pure:
+                    output_dims.append((p.label, self._empty_shape(p.type)))
                 continue
-            how = "accumulate" if access.accumulated_only else "set"
             key = self.touch(value, p.label)
-            if how == "set" and not (fully_written(kernel, p.label) and tuple(value.shape) == dims):
-                self._warn_partial(kernel, p.label)
-            self.written.add(key)
-            rec_outputs.append((how, key, p.label))
-            shapes.append(self.arrays[key].shape)
-        self.ops.append(_Launch(kernel, dims, num_outputs, tuple(rec_inputs), tuple(rec_outputs), tuple(shapes)))
-
-    def _warn_partial(self, kernel, name):
-        if (kernel.key, name) in self.warned:
-            return
-        self.warned.add((kernel.key, name))
-        warnings.warn(
-            f"warpnn.trace: kernel '{kernel.key}' writes '{name}' with plain stores that the analysis cannot prove "
-            "cover the whole array (a store under a condition, or a launch smaller than the array). In the replay "
-            "the elements it leaves unwritten are zero, where Warp would keep the array's previous contents; "
-            "they are equal whenever the kernel writes every element.",
-            stacklevel=4,
-        )
+            if uses[p.label].writes:
+                self.written.add(key)
+            if i >= pure:
+                output_dims.append((p.label, self.arrays[key].shape))
+            results.append((key, p.label))
+        if in_out and any(v is None for v in args[first:pure]):
+            none = [p.label for p, v in zip(params[first:pure], args[first:pure]) if v is None]
+            raise TypeError(
+                f"warpnn.trace: kernel '{kernel.key}' was launched with None for {none}, which it may update in "
+                "place (an in-out argument); pass an array (an empty one if the kernel tests for a null array)."
+            )
+        self.ops.append(_Launch(kernel, dims, block_dim or None, len(params) - first, tuple(in_out),
+                                tuple(call_inputs), tuple(results), tuple(output_dims)))
 
     @staticmethod
     def _empty_shape(warp_type) -> tuple[int, ...]:
