@@ -264,10 +264,8 @@ class _Recorder:
         self.ops: list = []
         self.arrays: dict[Any, _ArrayInfo] = {}
         self.snapshots: dict[Any, np.ndarray] = {}
-        self.written: set = set()  # arrays some recorded operation wrote (their value is the replay's)
         self.frozen_host_ops = frozen_host_ops
         self.depth = 0  # >0 while a recorded operation runs (its internal launches are not recorded)
-        self.warned: set = set()
         self._nbytes: dict[Any, int] = {}
         self._objects: dict[Any, wp.array] = {}
         self.input_keys = {}
@@ -382,8 +380,6 @@ class _Recorder:
                     output_dims.append((p.label, self._empty_shape(p.type)))
                 continue
             key = self.touch(value, p.label)
-            if uses[p.label].writes:
-                self.written.add(key)
             if i >= pure:
                 output_dims.append((p.label, self.arrays[key].shape))
             results.append((key, p.label))
@@ -405,7 +401,6 @@ class _Recorder:
     def copy(self, dest, src, dest_offset, src_offset, count):
         d, s = self.touch(dest, "wp.copy dest"), self.touch(src, "wp.copy src")
         self.ops.append(_Copy(d, s, int(dest_offset), int(src_offset), int(count), dest.ndim))
-        self.written.add(d)
 
     def fill(self, dest, value):
         d = self.touch(dest, "filled array")
@@ -413,12 +408,10 @@ class _Recorder:
             value = tuple(np.asarray(value, dtype=self.arrays[d].dtype).reshape(-1).tolist())
             value = np.asarray(value, dtype=self.arrays[d].dtype).reshape(self.arrays[d].shape[dest.ndim :])
         self.ops.append(_Fill(d, value))
-        self.written.add(d)
 
     def set(self, dest, src):
         d, s = self.touch(dest, "cloned array"), self.touch(src, "clone source")
         self.ops.append(_Set(d, s))
-        self.written.add(d)
 
     # -- end -----------------------------------------------------------------------------------
 
@@ -527,7 +520,6 @@ def _hooked_assign(self, src):
                 _ORIGINAL["assign"](self, src)
                 const = rec.arrays[rec.register(self, "assigned array")]
                 rec.ops.append(_Fill(const.key, self.numpy().copy()))
-            rec.written.add(const.key)
             return None
         with rec.suspended():
             return _ORIGINAL["assign"](self, src)
