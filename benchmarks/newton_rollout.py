@@ -70,15 +70,16 @@ def _warpnn_cases(scene, steps: int, dt: float):
     model, solver, contacts = scene
     step = NewtonStep(model, solver, dt, contacts=contacts, param_fields=("spring_stiffness",))
 
-    def loss(state, params):
-        final, _ = rollout(lambda s, c, p: step(s, None, p), state, None, params, num_steps=steps)
+    def loss(state, params, constants):
+        final, _ = rollout(step, state, None, params, num_steps=steps, constants=constants)
         q, qd = final["particle_q"], final["particle_qd"]
         return (q[:, 0] + 0.5 * q[:, 2] + 0.1 * qd[:, 1]).sum()
 
-    def forward(state, params):
-        return rollout(lambda s, c, p: step(s, None, p), state, None, params, num_steps=steps)[0]["particle_q"]
+    def forward(state, params, constants):
+        return rollout(step, state, None, params, num_steps=steps, constants=constants)[0]["particle_q"]
 
-    args = (step.initial_state(), step.initial_params())
+    # The model's arrays go in as arguments (device buffers), not as literals embedded in the program.
+    args = (step.initial_state(), step.initial_params(), step.constants())
     return model.particle_count, {
         "warpnn fwd": (jax.jit(forward), args),
         "warpnn fwd+bwd": (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), args),

@@ -137,11 +137,20 @@ class NewtonStep:
         """The model's values of ``param_fields``, as the ``params`` pytree."""
         return self._part("params", self.param_fields)
 
+    def constants(self) -> dict[str, jax.Array]:
+        """The model's other arrays (connectivity, rest state, masses, contacts, ...): see ``WarpProgram.constants``.
+
+        Pass them through ``jax.jit`` as an argument and on to each call (``rollout(..., constants=c)``) for large
+        models: otherwise they are embedded in the compiled program.
+        """
+        return self.program.constants()
+
     def __call__(
         self,
         state: Mapping[str, jax.Array],
         control: Mapping[str, jax.Array] | None = None,
         params: Mapping[str, jax.Array] | None = None,
+        constants: Mapping[str, jax.Array] | None = None,
     ) -> dict[str, jax.Array]:
         """Advance ``state`` by one step; omitted ``control`` / ``params`` take their initial values."""
         control = self.initial_control() if control is None else control
@@ -156,7 +165,7 @@ class NewtonStep:
         inputs = {f"state/{k}": v for k, v in state.items()}
         inputs.update({f"control/{k}": v for k, v in control.items()})
         inputs.update({f"params/{k}": v for k, v in params.items()})
-        return self.program(inputs)
+        return self.program(inputs, constants)
 
 
 def _field(owner, name: str, kind: str, argument: str) -> wp.array:
@@ -183,15 +192,17 @@ def rollout(
     *,
     num_steps: int | None = None,
     checkpoint: bool = False,
+    constants: Mapping[str, jax.Array] | None = None,
 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
     """``lax.scan`` of ``step`` over the leading axis of ``controls`` (or ``num_steps`` steps without controls).
 
     Returns the final state and the trajectory: each state field stacked over steps, *after* each step.
     ``checkpoint=True`` recomputes each step in the backward pass instead of storing its intermediates.
+    ``constants``: ``step.constants()``, passed as an argument of the jitted function (large models).
     """
 
     def body(carry, control):
-        new = step(carry, control, params)
+        new = step(carry, control, params) if constants is None else step(carry, control, params, constants)
         return new, new
 
     if checkpoint:

@@ -220,3 +220,17 @@ def test_inputs_checked():
         program({"x": jnp.zeros((N, 3))})
     with pytest.raises(TypeError, match=r"input 'k' must have shape \(4,\)"):
         program({"x": jnp.zeros((N, 3)), "v": jnp.zeros((N, 3)), "k": jnp.zeros(5)})
+
+
+def test_constants_as_arguments_keep_them_out_of_the_program():
+    sim, program = traced_springs()
+    x0, v0, k = (jnp.asarray(a.numpy()) for a in (sim.x, sim.v, sim.k))
+    constants = program.constants()
+    assert any(name.endswith(":pairs") for name in constants) and not any(name.endswith(":x") for name in constants)
+    embedded = jax.jit(lambda x: program({"x": x, "v": v0, "k": k})["x"])
+    passed = jax.jit(lambda x, c: program({"x": x, "v": v0, "k": k}, constants=c)["x"])
+    np.testing.assert_array_equal(embedded(x0), passed(x0, constants))
+    moved = {n: (c + 1.0 if n.endswith(":m") else c) for n, c in constants.items()}  # other masses: other result
+    assert not np.allclose(passed(x0, moved), passed(x0, constants))
+    with pytest.raises(TypeError, match="constants must be exactly"):
+        program({"x": x0, "v": v0, "k": k}, constants={})

@@ -182,8 +182,38 @@ class WarpProgram:
                 value = self._constants[key] = jnp.asarray(self._constants_np[key])
         return value
 
-    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+    @functools.cached_property
+    def _constant_names(self) -> dict[Any, str]:
+        """Each constant array's name in :meth:`constants`: its order of first use and the argument it was."""
+        used = []
+        for op in self._ops:
+            keys = [v for kind, v in op.inputs if kind == "array"] + [k for k, _ in op.results if k is not None] \
+                if isinstance(op, _Launch) else [getattr(op, "src", None), op.dest]
+            used += [k for k in keys if k is not None and k not in used]
+        inputs = set(self._input_keys.values())
+        return {k: f"{i:03d}:{self._arrays[k].label}" for i, k in enumerate(k for k in used if k not in inputs)}
+
+    def constants(self) -> dict[str, jax.Array]:
+        """The arrays the program reads that are not inputs (their values before the traced call), by name.
+
+        A program called inside ``jax.jit`` otherwise embeds them in the compiled program as literals (JAX
+        inlines closed-over arrays), which is fine for small models; for large ones, pass them as an argument
+        of the jitted function and on to the call (``program(inputs, constants=c)``), so they stay device
+        buffers and compile time does not grow with the model.
+        """
+        return {name: self._constant(key) for key, name in self._constant_names.items()}
+
+    def __call__(self, inputs: Mapping[str, Any], constants: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+        """Replay the recorded operations on ``inputs``; ``constants``: from :meth:`constants` (optional)."""
         env: dict[Any, jax.Array] = {}
+        if constants is not None:
+            names = self._constant_names
+            if set(constants) != set(names.values()):
+                raise TypeError(
+                    "warpnn.WarpProgram: constants must be exactly the dict program.constants() returns "
+                    f"({len(names)} arrays), got {len(constants)} entries."
+                )
+            env.update({key: jnp.asarray(constants[name]) for key, name in names.items()})
         missing = [n for n in self._input_keys if n not in inputs]
         unknown = [n for n in inputs if n not in self._input_keys]
         if missing or unknown:
