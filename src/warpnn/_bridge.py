@@ -160,7 +160,7 @@ class WarpKernel:
             first = next((i for i, s in enumerate(sig.inputs) if s.is_array and args[i] is not None), None)
             if first is None:
                 raise ValueError(
-                    f"Kernel '{sig.key}' has no array input to take its launch dims from: pass launch_dims=..."
+                    f"Kernel '{sig.key}' has no array argument to take its launch dims from: pass launch_dims=..."
                 )
             dims = tuple(np.shape(args[first])[: sig.inputs[first].warp_ndim])
         dims = _normalize_dims(dims, "launch_dims", sig)
@@ -293,6 +293,12 @@ def _check_vmap_method(vmap_method, sig: KernelSignature):
 def _check_writes(sig: KernelSignature) -> None:
     for name in sig.written_inputs:
         use = sig.uses[name]
+        if "." in name:
+            raise TypeError(
+                f"Kernel '{sig.key}' writes (or may write: {use.undecided or 'see its source'}) the array '{name}' held in a "
+                "struct argument. Struct fields are inputs XLA owns and cannot be in-out. Fix: pass that array as its "
+                "own kernel argument and declare it in_out_argnames=[...], or write to an output array."
+            )
         if use.undecided is not None:
             raise TypeError(UNDECIDED_INPUT_MESSAGE.format(key=sig.key, name=name, reason=use.undecided))
         write = use.first("store", "accumulate", "read-write")
@@ -309,7 +315,7 @@ def _check_launch_fits(sig: KernelSignature, dims, input_shapes: Mapping[str, tu
     if sig.kernel_has_return:
         return
     for name, shape in (*input_shapes.items(), *output_shapes.items()):
-        spec = next(s for s in (*sig.inputs, *sig.outputs) if s.name == name)
+        spec = next(s for s in (*sig.input_leaves, *sig.outputs) if s.name == name)
         if spec.warp_ndim != len(dims):
             continue
         access = next((a for a in sig.uses[name].accesses if a.own_element and a.top_level), None)
@@ -358,14 +364,15 @@ def _preload(sig: KernelSignature, mode) -> None:
 
 
 def _check_inputs(sig: KernelSignature, args: tuple):
-    """The operands (array inputs that are not None), the static scalars, and the names of None inputs."""
+    """The operands (array inputs that are not None, struct fields included), the static scalars, and the names
+    of None inputs."""
     if len(args) != len(sig.inputs):
         raise TypeError(
             f"Kernel '{sig.key}' takes {len(sig.inputs)} inputs {list(sig.input_names)} (its outputs "
             f"{list(sig.output_names)} are returned, not passed), but was called with {len(args)}."
         )
     arrays, scalars, nulls = [], [], []
-    for spec, value in zip(sig.inputs, args):
+    for spec, value in _leaf_values(sig, sig.inputs, args):
         if spec.is_array:
             if value is None:
                 if spec.name in sig.in_out_names:
@@ -376,6 +383,34 @@ def _check_inputs(sig: KernelSignature, args: tuple):
         else:
             scalars.append((spec.name, _check_scalar(sig, spec, value)))
     return arrays, tuple(scalars), frozenset(nulls)
+
+
+def _leaf_values(sig: KernelSignature, specs, values):
+    """(leaf spec, value) for every array and scalar, a struct's fields taken from a dict (or attributes)."""
+    for spec, value in zip(specs, values):
+        if not spec.is_struct:
+            yield spec, value
+            continue
+        names = [f.name.rsplit(".", 1)[-1] for f in spec.fields]
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - set(names))
+            missing = [n for n in names if n not in value]
+            if unknown or missing:
+                raise TypeError(
+                    f"Kernel '{sig.key}', argument '{spec.name}' is the wp.struct {spec.warp_type.key} with fields "
+                    f"{names}; the dict passed for it " + (f"lacks {missing}" if missing else "")
+                    + (" and " if missing and unknown else "") + (f"has unknown keys {unknown}" if unknown else "")
+                    + ". Pass a dict with exactly its fields (arrays as JAX arrays, scalars as Python numbers)."
+                )
+            field_values = [value[n] for n in names]
+        elif value is not None and all(hasattr(value, n) for n in names):
+            field_values = [getattr(value, n) for n in names]
+        else:
+            raise TypeError(
+                f"Kernel '{sig.key}', argument '{spec.name}' is the wp.struct {spec.warp_type.key}: pass a dict of its "
+                f"fields {names} (arrays as JAX arrays, scalars as Python numbers), got {type(value).__name__}."
+            )
+        yield from _leaf_values(sig, spec.fields, field_values)
 
 
 def _check_array(sig: KernelSignature, spec: ArgSpec, value) -> jax.Array:

@@ -243,6 +243,8 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
         adjoints = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(returned)}
         primal = {**inputs, **outputs}
         grads = {s.name: adjoints[s.name] for s in sig.carried_adjoints}
+        # Warp's adjoint of a struct's array field accumulates into the field's `grad` (as wp.Tape sets it up)
+        grads.update({s.name: adjoints[s.name] for s in sig.adjoint_inputs if "." in s.name})
         adjoints = {**cts, **adjoints}  # a result's cotangent, unless its adjoint is carried
         zeroed = [adjoints[s.name] for s in sig.adjoint_inputs]
         result_list = [adjoints[s.name] for s in returned]
@@ -269,19 +271,32 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
     # Every result carries the full vmap batch (XLA's expand_dims batching), so it defines the batch shape.
     batch_shape = result_list[0].batch_dims if result_list else ()
     params_specs = (*sig.inputs, *sig.outputs)
-    slots = [(primal.get(s.name), s, False, grads.get(s.name)) for s in params_specs]
-    if adjoint:  # Warp's backward entry takes the primal arguments, then one adjoint per argument
-        slots += [(adjoints.get(s.name), s, True, None) for s in params_specs]
-    slot_offsets = [buf.batch_offsets(batch_shape) if buf is not None else None for buf, _, _, _ in slots]
-    grad_offsets = [g.batch_offsets(batch_shape) if g is not None else None for _, _, _, g in slots]
+    leaves = (*sig.input_leaves, *sig.outputs)
+    primal_slots = {s.name: (primal.get(s.name), grads.get(s.name)) for s in leaves}
+    adjoint_slots = {s.name: (adjoints.get(s.name), None) for s in leaves}
+    offsets = {}
+    for table in (primal_slots, adjoint_slots):
+        for buf, grad in table.values():
+            for b in (buf, grad):
+                if b is not None and id(b) not in offsets:
+                    offsets[id(b)] = b.batch_offsets(batch_shape)
+
+    def value(spec, table, is_adjoint, b):
+        if spec.is_struct:  # Warp's struct ctype, its fields filled the same way (adjoint: gradient arrays)
+            struct = spec.warp_type.ctype()
+            for field in spec.fields:
+                setattr(struct, field.name.rsplit(".", 1)[-1], value(field, table, is_adjoint, b))
+            return struct
+        if not spec.is_array:
+            return _scalar_value(spec, attrs, adjoint_slot=is_adjoint)
+        buf, grad = table[spec.name]
+        return _array_desc(buf, spec, offsets[id(buf)][b] if buf is not None else 0,
+                           grad, offsets[id(grad)][b] if grad is not None else 0)
 
     for b in range(math.prod(batch_shape)):
-        params = [bounds]
-        for (buf, spec, is_adjoint, grad), offs, goffs in zip(slots, slot_offsets, grad_offsets):
-            if spec.is_array:
-                params.append(_array_desc(buf, spec, offs[b] if offs else 0, grad, goffs[b] if goffs else 0))
-            else:
-                params.append(_scalar_value(spec, attrs, adjoint_slot=is_adjoint))
+        params = [bounds] + [value(s, primal_slots, False, b) for s in params_specs]
+        if adjoint:  # Warp's backward entry takes the primal arguments, then one adjoint per argument
+            params += [value(s, adjoint_slots, True, b) for s in params_specs]
         _run(sig.kernel, hooks, params, adjoint, device, stream, block_dim, core)
 
 

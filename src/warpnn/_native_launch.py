@@ -260,10 +260,21 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
     Needs the kernel's module hashed (``kernel.adj.kernel_dim``), i.e. loaded on some device.
     """
     kernel = sig.kernel
-    params = (*sig.inputs, *sig.outputs)
-    # The struct Warp's `invoke` builds: one field per parameter, array_t or the scalar's ctype.
-    fields = [(s.name, wc.array_t if s.is_array else s.warp_type._type_) for s in params]
+    # The struct Warp's `invoke` builds: one field per parameter, array_t, the scalar's ctype or the wp.struct's.
+    top = (*sig.inputs, *sig.outputs)
+    fields = [(s.name, wc.array_t if s.is_array else s.warp_type.ctype if s.is_struct else s.warp_type._type_)
+              for s in top]
     args_struct = type("ArgsStruct", (ctypes.Structure,), {"_fields_": fields})
+    params = (*sig.input_leaves, *sig.outputs)  # one table row per array or scalar, struct fields included
+
+    def field_offset(leaf) -> int:
+        # a struct field's offset: its parameter's, plus the offset of each field on its path
+        name, *path = leaf.name.split(".")
+        offset, ctype = getattr(args_struct, name).offset, dict(fields)[name]
+        for attr in path:
+            offset += getattr(ctype, attr).offset
+            ctype = dict(ctype._fields_)[attr]
+        return offset
 
     # Buffer order (see _bridge._ffi_call): forward args = array inputs, rets = in-out arrays then outputs;
     # adjoint args = array inputs, primal outputs, cotangents of float results; adjoint rets = adjoints of
@@ -277,7 +288,7 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
     carried = {s.name for s in sig.carried_adjoints}
     rows, attr_names = [], []
     for i, s in enumerate(params):
-        offset = getattr(args_struct, s.name).offset
+        offset = field_offset(s)
         if not s.is_array:
             ctype = s.warp_type._type_
             rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype), 0, 0, 0])
@@ -301,7 +312,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
             raise NativeUnavailable(f"kernel '{sig.key}', argument '{s.name}': element size mismatch")
         fully_written = int(s.name in sig.outputs_fully_written)
         preset = (1 if s.name in sig.in_out_names else 0) | (2 if s.name in carried else 0)
-        grad_alias = int(s.name in carried)
+        # carried adjoints, and struct fields (Warp's adjoint of a struct's array accumulates into its `grad`)
+        grad_alias = int(s.name in carried or ("." in s.name and s.name in adjoint_result))
         rows.append([1, offset, s.warp_ndim, s.jax_ndim, s.dtype.itemsize, inner, fwd, adj, grad, 0, 0,
                      fully_written, preset, grad_alias])
         attr_names.append(None)
