@@ -1,6 +1,6 @@
 """Newton's SolverSemiImplicit rollout: warpnn's replay in JAX against Newton's own wp.Tape, per step.
 
-``python -m benchmarks.newton_rollout [--sizes 1024 99856 998001] [--steps 50] [--out docs/]``
+``python -m benchmarks.newton_rollout [--sizes 1024 99856 998001] [--steps 50] [--out docs/] [--merge]``
 
 The scene of the issue's anchors: an ``add_cloth_grid`` cloth with springs on a ground plane,
 ``SolverSemiImplicit(enable_tri_contact=False)``, contacts from the explicit broad phase collided once.
@@ -178,13 +178,18 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 99856, 998001] if on_gpu else [1024, 99856])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default="docs")
+    parser.add_argument("--merge", action="store_true", help="keep rows of other sizes already in the output file")
     args = parser.parse_args(argv)
-    rows = run(args.sizes, args.steps)
-    text = markdown(rows)
-    print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"newton-rollout-{'gpu' if on_gpu else 'cpu'}"
+    rows = run(args.sizes, args.steps)
+    if args.merge and (out / f"{name}.json").exists():
+        done = {r["particles"] for r in rows}
+        rows = sorted([r for r in json.loads((out / f"{name}.json").read_text()) if r["particles"] not in done] + rows,
+                      key=lambda r: r["particles"])
+    text = markdown(rows)
+    print(text)
     warpnn.atomic_write_bytes(out / f"{name}.md", text.encode())
     warpnn.atomic_write_bytes(out / f"{name}.json", (json.dumps(rows, indent=2) + "\n").encode())
 

@@ -234,3 +234,26 @@ def test_constants_as_arguments_keep_them_out_of_the_program():
     assert not np.allclose(passed(x0, moved), passed(x0, constants))
     with pytest.raises(TypeError, match="constants must be exactly"):
         program({"x": x0, "v": v0, "k": k}, constants={})
+
+
+@wp.struct
+class Spring:
+    k: wp.array(dtype=float)
+    scale: float
+
+
+@wp.kernel
+def struct_force(x: wp.array(dtype=float), spring: Spring, f: wp.array(dtype=float)):
+    i = wp.tid()
+    f[i] = -spring.scale * spring.k[i] * x[i]
+
+
+def test_struct_arguments_replay_and_differentiate():
+    x, f = wp.array(np.linspace(0.0, 1.0, 5), dtype=float), wp.zeros(5, dtype=float)
+    spring = Spring()
+    spring.k, spring.scale = wp.array(np.linspace(1.0, 2.0, 5), dtype=float), 3.0
+    program = warpnn.trace(lambda: wp.launch(struct_force, 5, inputs=[x, spring], outputs=[f]),
+                           inputs={"x": x, "k": spring.k}, outputs={"f": f})
+    xs, k = jnp.linspace(1.0, 2.0, 5), jnp.full(5, 0.5)
+    assert_close(program({"x": xs, "k": k})["f"], -1.5 * xs)
+    assert_close(jax.grad(lambda k: program({"x": xs, "k": k})["f"].sum())(k), -3.0 * xs)

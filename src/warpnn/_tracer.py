@@ -23,7 +23,7 @@ Refused, with an error naming the operation and the fix: host reads of array dat
 (``array.numpy()``: its control flow could depend on data the replay would freeze), host-side rebuilds
 of acceleration structures (``HashGrid.build``, ``Mesh.refit``, ...) unless ``frozen_host_ops=True``,
 Warp's native array utilities (scans, sorts), graph capture, adjoint launches, scalar parameters after a
-written array, struct arguments, and aliasing array views. Reverse mode through a kernel that reads values
+written array, and aliasing array views. ``wp.struct`` arguments pass as dicts of their fields. Reverse mode through a kernel that reads values
 other threads write is refused by the bridge when differentiated.
 """
 
@@ -187,7 +187,7 @@ class WarpProgram:
         """Each constant array's name in :meth:`constants`: its order of first use and the argument it was."""
         used = []
         for op in self._ops:
-            keys = [v for kind, v in op.inputs if kind == "array"] + [k for k, _ in op.results if k is not None] \
+            keys = [*_array_keys(op.inputs), *(k for k, _ in op.results if k is not None)] \
                 if isinstance(op, _Launch) else [getattr(op, "src", None), op.dest]
             used += [k for k in keys if k is not None and k not in used]
         inputs = set(self._input_keys.values())
@@ -248,13 +248,30 @@ class WarpProgram:
         return {name: get(key) for name, key in self._output_keys.items()}
 
 
+def _array_keys(specs):
+    for spec in specs:
+        kind, value = spec[-2], spec[-1]
+        if kind == "array":
+            yield value
+        elif kind == "struct":
+            yield from _array_keys(value)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_call(kernel, num_outputs, in_out_names, block_dim):
     return jax_kernel(kernel, num_outputs, in_out_argnames=list(in_out_names), block_dim=block_dim)
 
 
+def _argument(kind, value, get):
+    if kind == "array":
+        return get(value)
+    if kind == "struct":
+        return {name: _argument(k, v, get) for name, k, v in value}
+    return None if kind == "none" else value
+
+
 def _replay_launch(op: _Launch, get, env) -> None:
-    args = [get(v) if kind == "array" else None if kind == "none" else v for kind, v in op.inputs]
+    args = [_argument(kind, v, get) for kind, v in op.inputs]
     call = _kernel_call(op.kernel, op.num_outputs, op.in_out_names, op.block_dim)
     results = call(*args, launch_dims=op.dims, output_dims=dict(op.output_dims) if op.output_dims else None)
     for (key, _), result in zip(op.results, results):
@@ -395,9 +412,10 @@ class _Recorder:
         call_inputs = []
         for i, (p, value) in enumerate(zip(params[:pure], args[:pure])):
             if not is_array[i]:
-                if hasattr(value, "_cls") or type(value).__name__ == "StructInstance":
-                    raise TypeError(f"warpnn.trace: kernel '{kernel.key}', argument '{p.label}': struct arguments cannot be replayed yet.")
-                call_inputs.append(("scalar", _plain_scalar(value)))
+                if hasattr(value, "_cls"):  # a wp.struct: the bridge takes a dict of its fields
+                    call_inputs.append(("struct", self._struct_spec(value, p.label)))
+                else:
+                    call_inputs.append(("scalar", _plain_scalar(value)))
             elif value is None:
                 call_inputs.append(("none", None))
             else:
@@ -421,6 +439,21 @@ class _Recorder:
             )
         self.ops.append(_Launch(kernel, dims, block_dim or None, len(params) - first, tuple(in_out),
                                 tuple(call_inputs), tuple(results), tuple(output_dims)))
+
+    def _struct_spec(self, value, label):
+        """A struct argument as (field, kind, value) triples, arrays by key, nested structs recursively."""
+        fields = []
+        for name in value._cls.vars:
+            field = getattr(value, name)
+            if isinstance(field, wp.array):
+                fields.append((name, "array", self.touch(field, f"{label}.{name}")))
+            elif field is None:
+                fields.append((name, "none", None))
+            elif hasattr(field, "_cls"):
+                fields.append((name, "struct", self._struct_spec(field, f"{label}.{name}")))
+            else:
+                fields.append((name, "scalar", _plain_scalar(field)))
+        return tuple(fields)
 
     @staticmethod
     def _empty_shape(warp_type) -> tuple[int, ...]:
