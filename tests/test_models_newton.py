@@ -191,23 +191,6 @@ def test_refusals_are_clear():
         NewtonStep(model, solver, DT, contacts=contacts)
 
 
-def test_readme_example_runs(tmp_path):
-    """The README's "Bring your simulator" block, as a user would paste it (fresh process)."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Bring your simulator", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Array(" in proc.stdout
-
-
 @pytest.mark.gpu
 def test_rollout_replays_from_cuda_graphs():
     """On CUDA, XLA replays the scan body (every Newton launch and adjoint) from CUDA graphs, default flags."""

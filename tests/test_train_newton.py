@@ -23,10 +23,14 @@ def test_loss_falls_tenfold():
 
 def test_cli_newton_end_to_end(tmp_path):
     out = tmp_path / "newton"
-    assert cli.main(["newton", "--steps", "3", "--frames", "30", "--batch", "2", "--out", str(out)]) == 0
+    options = ["newton", "--steps", "3", "--frames", "30", "--batch", "2", "--out", str(out)]
+    assert cli.main([*options, "--stop-after", "2"]) == 0  # stopped after 2 steps, checkpointed
+    assert not (out / "metrics.json").exists()
+    assert cli.main([*options, "--resume"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert list(metrics) == sorted(metrics)
     assert metrics["steps"] == 3 and metrics["config"]["batch"] == 2 and metrics["launches_per_step"] >= 5
+    assert metrics["resumed_from_step"] == 2
     for name in ("loss.png", "trajectories.png"):
         assert (out / name).read_bytes().startswith(b"\x89PNG")
     assert not list(out.glob(".*.tmp"))

@@ -27,6 +27,7 @@ import optax
 from flax import nnx, serialization
 
 from . import common
+from .cloth_control import checkpoint_dict, read_checkpoint, restore  # policy-agnostic NNX checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class PushConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = PushConfig()
+    parser.set_defaults(steps=d.steps)
     g = parser.add_argument_group("Newton cloth pushing")
     g.add_argument("--frames", type=int, default=d.frames, help="rollout steps")
     g.add_argument("--batch", type=int, default=d.batch, help="initial states per training step (vmapped)")
@@ -177,8 +179,14 @@ def batch_loss(task: Task, policy: Policy, q0s, qd0s) -> jax.Array:
     return jnp.mean(jax.vmap(lambda q0, qd0: push_loss(task, rollout(task, policy, q0, qd0)[0]))(q0s, qd0s))
 
 
-def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train ``policy`` in place with Adam; returns losses, held-out losses before/after and steps/s."""
+def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progress: bool = True, *,
+          resume_from: dict | None = None, save=None, checkpoint_every: int = 0,
+          stop_after: int | None = None) -> dict[str, Any]:
+    """Train ``policy`` in place with Adam; returns losses, held-out losses before/after and steps/s.
+
+    ``resume_from`` (a ``read_checkpoint`` dict) continues an earlier call; ``save(checkpoint_dict)`` is called
+    every ``checkpoint_every`` steps and when training stops early (as in ``warpnn_train.cloth_control``).
+    """
     c = task.config
     steps = c.steps if steps is None else steps
     optimizer = nnx.Optimizer(policy, optax.chain(optax.clip_by_global_norm(1.0), optax.adam(c.lr)), wrt=nnx.Param)
@@ -192,51 +200,50 @@ def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progr
         optimizer.update(policy, grads)
         return value
 
-    eval_initial = float(evaluate(policy))
+    eval_initial = float(evaluate(policy if resume_from is None else make_policy(task, seed)))
+    key, start, losses = jax.random.PRNGKey(seed), 0, []
+    if resume_from is not None:
+        restore(policy, optimizer, resume_from)
+        key, start = jnp.asarray(resume_from["key"], jnp.uint32), int(resume_from["step"])
+        losses = common.losses_list(resume_from["losses"], start)
 
     def step(key):
         key, sub = jax.random.split(key)
         return key, update(policy, optimizer, sub)
 
-    key = jax.random.PRNGKey(seed)
-    if progress:
-        _, losses, steps_per_s = common.train_loop(step, key, steps, desc="newton push")
-    else:
-        start, losses = time.perf_counter(), []
-        for _ in range(steps):
-            key, value = step(key)
-            losses.append(value)
-        losses = [float(v) for v in losses]
-        steps_per_s = steps / (time.perf_counter() - start) if steps else float("nan")
+    def checkpoint(key, done: int, new_losses: list[float]) -> None:
+        save(checkpoint_dict(policy, done, optimizer=optimizer, key=key, losses=losses + new_losses, steps=steps))
+
+    key, new_losses, steps_per_s = common.train_loop(
+        step, key, steps, "newton push", start=start, progress=progress,
+        checkpoint=checkpoint if save is not None else None, checkpoint_every=checkpoint_every, stop_after=stop_after)
     eval_final = float(evaluate(policy))
-    return {"losses": losses, "eval_initial": eval_initial, "eval_final": eval_final, "steps_per_s": steps_per_s}
+    return {"losses": losses + new_losses, "eval_initial": eval_initial, "eval_final": eval_final,
+            "steps_per_s": steps_per_s, "optimizer": optimizer, "key": key}
 
 
-def checkpoint_bytes(policy: Policy, step: int) -> bytes:
-    """The policy's parameters and the step count as Flax msgpack bytes."""
-    return serialization.to_bytes({"params": nnx.to_pure_dict(nnx.state(policy, nnx.Param)), "step": step})
+CHECKPOINT = "checkpoint.msgpack"
 
 
 def load_checkpoint(path, policy: Policy) -> int:
     """Load parameters written by :func:`run` into ``policy`` (same architecture); returns the step count."""
-    template = {"params": nnx.to_pure_dict(nnx.state(policy, nnx.Param)), "step": 0}
-    with open(path, "rb") as f:
-        restored = serialization.from_bytes(template, f.read())
-    state = nnx.state(policy, nnx.Param)
-    nnx.replace_by_pure_dict(state, restored["params"])
-    nnx.update(policy, state)
-    return int(restored["step"])
+    checkpoint = read_checkpoint(path)
+    restore(policy, None, checkpoint)
+    return int(checkpoint["step"])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = config_from_args(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = common.run_dir(args, config)
     t0 = time.perf_counter()
     task = make_task(config)
     policy, untrained = make_policy(task, args.seed), make_policy(task, args.seed)
-    result = train(task, policy, args.seed)
-    common.atomic_write_bytes(out / "checkpoint.msgpack", checkpoint_bytes(policy, config.steps))
+    resume_from = read_checkpoint(out / CHECKPOINT) if out.resume else None
+    save = lambda tree: common.atomic_write_bytes(out / CHECKPOINT, serialization.to_bytes(tree))  # noqa: E731
+    result = train(task, policy, args.seed, resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every,
+                   stop_after=out.stop_after)
+    save(checkpoint_dict(policy, config.steps, optimizer=result["optimizer"], key=result["key"],
+                         losses=result["losses"], steps=config.steps))
 
     q0s, qd0s = sample_initial_states(task, jax.random.PRNGKey(10_000 + args.seed), config.eval_batch)
     run_batch = nnx.jit(lambda p: jax.vmap(lambda q, qd: rollout(task, p, q, qd))(q0s, qd0s))
@@ -255,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "loss_reduction": result["eval_initial"] / result["eval_final"],
         "final_com_error_m": float(final_error.mean()),
         "steps": config.steps,
+        "resumed_from_step": int(resume_from["step"]) if resume_from is not None else None,
         "steps_per_s": result["steps_per_s"],
         "particles": int(task.rest.shape[0]),
         "launches_per_step": task.step.program.num_launches,

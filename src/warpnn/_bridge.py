@@ -15,7 +15,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _sharding
+from . import _checked, _sharding
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
@@ -176,6 +176,8 @@ class WarpKernel:
         plan = _CallPlan(call_sig, scalars, dims, out_shapes, self.has_side_effect, self.enable_backward)
         # Under shard_map, every operand must vary over the same mesh axes before the custom VJP, so that the
         # adjoint of a replicated parameter is psum-ed by JAX's transpose of pvary (a no-op elsewhere).
+        if _checked.is_checked():  # index-checked variant of the kernel (warpnn.checked())
+            return _checked.call(plan, _sharding.match_vma(arrays), _differentiable_call)
         return tuple(_differentiable_call(plan, *_sharding.match_vma(arrays)))
 
 
@@ -249,6 +251,8 @@ def jax_kernel(
         kernel, num_outputs, vmap_method, _hashable(launch_dims), _hashable(output_dims),
         tuple(in_out_argnames) if in_out_argnames else None, module_preload_mode,
         True if enable_backward is None else bool(enable_backward), bool(has_side_effect), block_dim,
+        # an explicit block_dim means more than one CPU thread per block only with CPU blocks on
+        bool(wp.config.enable_cpu_blocks) if block_dim is not None else None,
     )
     try:
         hash(key)
@@ -332,6 +336,11 @@ def _check_launch_fits(sig: KernelSignature, dims, input_shapes: Mapping[str, tu
 
 
 def _check_platform(sig: KernelSignature) -> None:
+    if jax.default_backend() == "gpu" and not wc.runtime().is_cuda_enabled:
+        raise RuntimeError(
+            f"Kernel '{sig.key}': JAX computes on a GPU, but this Warp build does not include CUDA support. Install "
+            "a warp-lang wheel built with CUDA, or run the call on the CPU (jax.default_device)."
+        )
     if jax.default_backend() == "cpu" and not wp.is_cpu_available():
         raise RuntimeError(
             f"Kernel '{sig.key}': JAX computes on the CPU, but this Warp build does not include CPU support (its CPU "
@@ -564,8 +573,9 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     # size 1 when unbatched, and the launcher launches per batch element instead of folding the batch into
     # Warp's dims), wrapped in a primitive that keeps a sharded vmap batch sharded under jax.jit (each
     # device launches its own batch elements) and types outputs under shard_map: see _sharding.py.
+    name = f"warpnn kernel '{plan.sig.key}' ({'adjoint' if adjoint else 'forward'})"
     results = _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, _fence(operands), plan.attrs(),
-                                 aliases=aliases, has_side_effect=plan.has_side_effect and not adjoint)
+                                 aliases=aliases, has_side_effect=plan.has_side_effect and not adjoint, name=name)
     return _fence(results)
 
 
@@ -582,7 +592,10 @@ def _fence(values) -> list[jax.Array]:
     4096-element kernel went from 21-26 µs to 15 µs (pure JAX in the same process: 12-16 µs). Outside
     loops, and on the CPU, the barrier costs nothing: it only orders operations.
     """
-    return list(jax.lax.optimization_barrier(tuple(values))) if values else list(values)
+    if not values or jax.config.jax_debug_nans or jax.config.jax_debug_infs:
+        # Debugging NaNs runs operations one by one, checking each: a barrier would be blamed for NaNs it passes on.
+        return list(values)
+    return list(jax.lax.optimization_barrier(tuple(values)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

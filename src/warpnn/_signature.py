@@ -726,7 +726,8 @@ def signature_of(kernel: Any, num_outputs: int, in_out_argnames=(), block_dim: i
             f"got {type(kernel).__name__}."
         )
     in_out_argnames = tuple(in_out_argnames or ())
-    cache_key = (id(kernel), num_outputs, in_out_argnames, block_dim)
+    cpu_blocks = bool(wp.config.enable_cpu_blocks) if block_dim is not None else None  # changes the CPU build
+    cache_key = (id(kernel), num_outputs, in_out_argnames, block_dim, cpu_blocks)
     cached = _SIGNATURES.get(cache_key)
     if cached is not None and cached.kernel is kernel:
         return cached

@@ -296,7 +296,7 @@ _TRACE_LOCK = threading.Lock()
 
 
 def _jax_shape(arr: wp.array) -> tuple[int, ...]:
-    dtype = arr.dtype
+    dtype: Any = arr.dtype
     inner = tuple(dtype._shape_) if hasattr(dtype, "_wp_scalar_type_") else ()
     return (*arr.shape, *inner)
 
@@ -338,13 +338,13 @@ class _Recorder:
                 f"warpnn.trace: argument '{label}' is a non-contiguous array view (strides {arr.strides}); "
                 "the replay needs contiguous arrays. Pass a contiguous array (wp.clone of the view)."
             )
-        key = (arr.ptr, tuple(arr.shape), arr.dtype, str(arr.device)) if arr.ptr else ("empty", id(arr))
+        key: Any = (arr.ptr, tuple(arr.shape), arr.dtype, str(arr.device)) if arr.ptr else ("empty", id(arr))
         if key in self.arrays:
             return key
         if arr.ptr:
             start, end = arr.ptr, arr.ptr + arr.capacity
             for other in self.arrays.values():
-                o = other.key
+                o: Any = other.key
                 if o[0] != "empty" and o[3] == key[3] and o[0] < end and start < o[0] + self._nbytes[o]:
                     raise TypeError(
                         f"warpnn.trace: argument '{label}' (shape {arr.shape}, {arr.dtype.__name__}) shares memory "
