@@ -15,7 +15,7 @@ from pathlib import Path
 
 from warpnn._cuda_graphs import CAPTURE_FLAGS
 
-from . import bridge, models
+from . import bridge, callable as callable_bench, models
 
 CAPTURE = " ".join(f"--{k}={v}" for k, v in CAPTURE_FLAGS.items())
 
@@ -59,6 +59,7 @@ def main(argv=None) -> None:
             "graph_capture": _run("benchmarks.graph_capture", flags) if gpu else None,
         }
     results["models"] = _run("benchmarks.models", CAPTURE if gpu else "")
+    results["callable"] = _run("benchmarks.callable", "")
     if not args.skip_train:
         results["training"] = [_train_steps_per_s(t, args.train_steps) for t in ("cloth", "control", "geometry")]
     env = next(iter(results["runs"].values()))["bridge"].get("environment", {})
@@ -80,6 +81,10 @@ def main(argv=None) -> None:
     if "models" in results["models"]:
         md.append("## Model layers" + (" (with enable_cuda_graph_capture())" if gpu else " (CPU sizes)") + "\n")
         md.append(models.table(results["models"]["models"], results["models"]["copy_bandwidth_Bps"]))
+        md.append("")
+    if "callable" in results["callable"]:
+        md.append("## warpnn.jax_callable vs Warp with wp.Tape (3-kernel spring function, µs per iteration)\n")
+        md.append(callable_bench.table(results["callable"]["callable"]))
         md.append("")
     if results.get("training"):
         md.append("## Main job training throughput\n\n| task | steps/s |\n|---|---|")

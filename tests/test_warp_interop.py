@@ -35,13 +35,18 @@ DIFFERENCES_BY_DESIGN: dict[str, str] = {
 }
 
 
-def _run_suite(tmp_path: Path, substitute: bool) -> dict[str, str]:
-    """Outcome ("passed" | "failed" | "skipped") of every test of Warp's suite, by test name."""
-    report = tmp_path / ("warpnn.xml" if substitute else "warp.xml")
+def _run_suite(tmp_path: Path, substitute: str | None) -> dict[str, str]:
+    """Outcome ("passed" | "failed" | "skipped") of every test of Warp's suite, by test name.
+
+    ``substitute``: None (Warp's bridge), "all" (warpnn's jax_kernel and jax_callable) or "jax_callable"
+    (warpnn's jax_callable only, so that part is checked on its own).
+    """
+    report = tmp_path / f"{substitute or 'warp'}.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", f"{WARP_SUITE}::TestJax"]
     if substitute:
         cmd[3:3] = ["-p", "warpnn_substitute"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
+           "WARPNN_SUBSTITUTE": substitute or ""}
     subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
@@ -58,15 +63,31 @@ def _base_name(name: str) -> str:
     return name
 
 
-@pytest.mark.skipif(not WARP_SUITE.is_file(), reason="this warp-lang wheel does not ship its interop tests")
-def test_warp_interop_suite_passes_with_warpnn(tmp_path):
-    with_warp = _run_suite(tmp_path, substitute=False)
-    with_warpnn = _run_suite(tmp_path, substitute=True)
-    assert with_warp, "Warp's suite collected no tests"
+@pytest.fixture(scope="module")
+def with_warp(tmp_path_factory) -> dict[str, str]:
+    """Warp's suite with Warp's own bridge, once for the tests below."""
+    outcomes = _run_suite(tmp_path_factory.mktemp("warp"), substitute=None)
+    assert outcomes, "Warp's suite collected no tests"
+    return outcomes
+
+
+def _check_substituted(with_warp: dict[str, str], with_warpnn: dict[str, str], what: str) -> None:
     passing = sorted(n for n, o in with_warp.items() if o == "passed")
     regressions = sorted(
         n for n in passing if with_warpnn.get(n) != "passed" and _base_name(n) not in DIFFERENCES_BY_DESIGN
     )
-    print(f"Warp's bridge: {len(passing)} passed; warpnn: "
+    print(f"Warp's bridge: {len(passing)} passed; {what}: "
           f"{sum(with_warpnn.get(n) == 'passed' for n in passing)} of them passed")
-    assert not regressions, f"{len(regressions)} of Warp's {len(passing)} passing tests fail with warpnn: {regressions}"
+    assert not regressions, f"{len(regressions)} of Warp's {len(passing)} passing tests fail with {what}: {regressions}"
+
+
+@pytest.mark.skipif(not WARP_SUITE.is_file(), reason="this warp-lang wheel does not ship its interop tests")
+def test_warp_interop_suite_passes_with_warpnn(with_warp, tmp_path):
+    _check_substituted(with_warp, _run_suite(tmp_path, substitute="all"), "warpnn")
+
+
+@pytest.mark.skipif(not WARP_SUITE.is_file(), reason="this warp-lang wheel does not ship its interop tests")
+def test_warp_interop_suite_passes_with_warpnn_jax_callable(with_warp, tmp_path):
+    with_warpnn = _run_suite(tmp_path, substitute="jax_callable")
+    assert any("jax_callable" in n for n, o in with_warpnn.items() if o == "passed"), "no jax_callable test ran"
+    _check_substituted(with_warp, with_warpnn, "warpnn.jax_callable in place of wp.jax_callable")

@@ -7,6 +7,10 @@ from ._bridge import SECOND_ORDER_MESSAGE as SECOND_ORDER_MESSAGE
 from ._bridge import WarpKernel as WarpKernel
 from ._bridge import jax_kernel as jax_kernel
 from ._binding import Binding as Binding
+from ._callable import WarpCallable as WarpCallable
+from ._callable import clear_jax_callable_graph_cache as clear_jax_callable_graph_cache
+from ._callable import jax_callable as jax_callable
+from ._callable import register_ffi_callback as register_ffi_callback
 from ._binding import bind as bind
 from ._checked import KernelIndexError as KernelIndexError
 from ._checked import checked as checked
@@ -30,16 +34,20 @@ __all__ = [
     "SECOND_ORDER_MESSAGE",
     "Binding",
     "KernelIndexError",
+    "WarpCallable",
     "WarpKernel",
     "WarpProgram",
     "atomic_write",
     "atomic_write_bytes",
     "bind",
     "checked",
+    "clear_jax_callable_graph_cache",
     "enable_cuda_graph_capture",
     "is_checked",
+    "jax_callable",
     "jax_kernel",
     "jax_warp_device",
+    "register_ffi_callback",
     "set_checked",
     "trace",
 ]

@@ -152,11 +152,20 @@ _LOADED: dict[tuple[int, Any, Any], _LoadedKernel] = {}
 _LOAD_LOCK = threading.RLock()
 
 
+def check_warp_supports(device, key: str) -> None:
+    """A clear error when this Warp build cannot run kernels on ``device`` (a wheel without CPU or CUDA support)."""
+    if device.is_cpu and not wp.is_cpu_available():
+        raise RuntimeError(f"kernel '{key}': this Warp build does not include CPU support (its CPU compiler is missing)")
+    if device.is_cuda and not wc.runtime().is_cuda_enabled:
+        raise RuntimeError(f"kernel '{key}': this Warp build does not include CUDA support")
+
+
 def load_kernel(kernel, device, block_dim=None) -> _LoadedKernel:
     """Load (once per device and block dim) the Warp module holding ``kernel``; also used at trace time to preload."""
     key = (id(kernel), device.context if device.is_cuda else "cpu", wc.resolve_block_dim(device, block_dim))
     loaded = _LOADED.get(key)
     if loaded is None:
+        check_warp_supports(device, kernel.key)
         with _LOAD_LOCK:
             loaded = _LOADED.get(key)
             if loaded is None:
