@@ -84,7 +84,9 @@ def _array_desc(buf: _Buffer | None, spec: ArgSpec, offset: int, grad: _Buffer |
         return wc.array_t()
     strides = wc.strides_from_shape(buf.warp_dims, spec.warp_dtype)
     grad_ptr = grad.data + grad_offset if grad is not None else 0
-    return wc.array_t(buf.data + offset, grad_ptr, spec.warp_ndim, buf.warp_dims, strides)
+    # A zero-size array is Warp's null array (as wp.zeros(0) is), so `if arr:` in a kernel is false for it.
+    data = buf.data + offset if buf.item_bytes else 0
+    return wc.array_t(data, grad_ptr, spec.warp_ndim, buf.warp_dims, strides)
 
 
 def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):

@@ -786,7 +786,9 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
          * batch shape: a size-1 dim (unbatched, broadcast operand) gets stride 0. */
         if (slot->param < kMaxGradAliases) (slot->adjoint ? adjoint_array : primal_array)[slot->param] = num_arrays;
         ArraySlot* as = &arrays[num_arrays++];
-        as->base = (uint8_t*)buf->data;
+        /* A zero-size array is Warp's null array (wp.zeros(0) has no allocation), so `if arr:` in a kernel is
+         * false for it, as for None: XLA may give zero-size buffers a non-null address. */
+        as->base = stride ? (uint8_t*)buf->data : NULL;
         as->field = field;
         as->grad_from = -1;
         for (int64_t k = batch_rank - 1, own = lead - 1; k >= 0; --k, --own) {
@@ -877,7 +879,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
             ArraySlot* as = &arrays[k];
             int64_t offset = 0;
             for (int64_t j = 0; j < batch_rank; ++j) offset += index[j] * as->batch_stride[j];
-            uint64_t data = (uint64_t)(uintptr_t)(as->base + offset);
+            uint64_t data = as->base ? (uint64_t)(uintptr_t)(as->base + offset) : 0;
             memcpy(as->field + offsetof(wp_array_t, data), &data, sizeof(data));
         }
         for (int32_t k = 0; k < num_arrays; ++k) /* after every data pointer of this batch element is set */
