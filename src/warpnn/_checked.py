@@ -37,6 +37,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import pathlib
 import inspect
 import os
 import sys
@@ -645,7 +646,7 @@ def _build(kernel) -> CheckedKernel:
     return CheckedKernel(checked, tuple(guard.sites))
 
 
-_TRANSFORM_VERSION = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:8]  # noqa: SIM115
+_TRANSFORM_VERSION = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:8]
 
 
 def _zero_of(dtype):
