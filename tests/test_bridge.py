@@ -377,7 +377,7 @@ def test_error_wrong_arity():
 
 
 def test_error_output_not_array():
-    with pytest.raises(TypeError, match=r"output argument 's' is a float32 scalar.*must be arrays"):
+    with pytest.raises(TypeError, match=r"output argument 's' is a static float32 scalar.*must be arrays"):
         warpnn.jax_kernel(K.scale_square, num_outputs=2)
 
 
