@@ -43,6 +43,7 @@ import sys
 import threading
 import types
 import warnings
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -645,7 +646,7 @@ def _build(kernel) -> CheckedKernel:
     return CheckedKernel(checked, tuple(guard.sites))
 
 
-_TRANSFORM_VERSION = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:8]  # noqa: SIM115
+_TRANSFORM_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]
 
 
 def _zero_of(dtype):
