@@ -1,8 +1,9 @@
 """Reusable models built from warpnn layers (installed as ``warpnn_models``).
 
 ``warpnn_models.cloth`` (mass-spring cloth and soft bodies), ``warpnn_models.pointcloud`` (point-cloud
-deformation under Chamfer loss), ``warpnn_models.mesh`` (mesh obstacles and mesh generators). Each
+deformation under Chamfer loss), ``warpnn_models.mesh`` (mesh obstacles and mesh generators),
+``warpnn_models.newton`` (Newton's solvers as differentiable JAX steps; needs the ``newton`` extra). Each
 submodule is imported on demand: ``import warpnn_models.cloth``.
 """
 
-__all__ = ["cloth", "mesh", "pointcloud"]
+__all__ = ["cloth", "mesh", "newton", "pointcloud"]

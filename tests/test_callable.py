@@ -418,10 +418,20 @@ _GRAPH_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, warp as wp
     from tests.test_callable import _accumulate_square, accumulate, accumulate_reference
     wp.load_module(module=_accumulate_square.module, device="cuda:0")  # compile before any capture
+    from tests.test_callable import _product
     entries = [0]
+    allocating = sys.argv[2] == "alloc"
     def counted(a: wp.array(dtype=wp.float64), b: wp.array(dtype=wp.float64), c: wp.array(dtype=wp.float64)):
         entries[0] += 1
-        accumulate(a, b, c)
+        if allocating:  # an intermediate allocated inside the function, so inside the capture: b += (a^2)^2
+            tmp = wp.zeros_like(a)
+            wp.launch(_accumulate_square, dim=a.shape, inputs=[a, tmp])
+            wp.launch(_accumulate_square, dim=a.shape, inputs=[tmp, b])
+            wp.launch(_product, dim=a.shape, inputs=[a, b], outputs=[c])
+        else:
+            accumulate(a, b, c)
+    if allocating:
+        accumulate_reference = lambda a, b: (b + a ** 4, jnp.cos(a) * (b + a ** 4))
     mode = getattr(wp.JaxCallableGraphMode, sys.argv[1])
     call = warpnn.jax_callable(counted, num_outputs=2, in_out_argnames=["b"], graph_mode=mode)
     def rollout(fn, a, b0):
@@ -444,11 +454,12 @@ _GRAPH_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["JAX", "WARP", "WARP_STAGED", "NONE"])
-def test_scan_forward_and_vjp_replay_from_cuda_graphs(mode):
+@pytest.mark.parametrize("mode,variant", [("JAX", "plain"), ("WARP", "plain"), ("WARP_STAGED", "plain"),
+                                          ("NONE", "plain"), ("JAX", "alloc")])
+def test_scan_forward_and_vjp_replay_from_cuda_graphs(mode, variant):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, mode], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, mode, variant], capture_output=True, text=True, env=env,
                          cwd=root, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     words = out.stdout.split("ENTRIES")[-1].split()

@@ -35,6 +35,7 @@ TASKS = {
     "cloth": ("cloth_sysid", "identify cloth stiffness and damping from a simulated trajectory (default)"),
     "control": ("cloth_control", "train an NNX MLP controller through a differentiable cloth rollout"),
     "geometry": ("geometry", "deform a template point cloud to a target shape under Chamfer loss"),
+    "newton": ("newton_push", "an NNX policy drags a cloth on the ground through Newton's own solver"),
 }
 DEFAULT_TASK = "cloth"
 DEVICES = ("auto", "cpu", "gpu")

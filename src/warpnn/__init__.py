@@ -20,6 +20,8 @@ from ._cuda_graphs import enable_cuda_graph_capture as enable_cuda_graph_capture
 from ._devices import jax_warp_device as jax_warp_device
 from ._io import atomic_write as atomic_write
 from ._io import atomic_write_bytes as atomic_write_bytes
+from ._tracer import WarpProgram as WarpProgram
+from ._tracer import trace as trace
 
 # Layers for each framework are submodules, imported on demand so that warpnn needs neither Flax nor
 # Equinox to import: warpnn.equinox.WarpLayer, warpnn.nnx.WarpLayer, warpnn.linen.WarpLayer.
@@ -34,6 +36,7 @@ __all__ = [
     "KernelIndexError",
     "WarpCallable",
     "WarpKernel",
+    "WarpProgram",
     "atomic_write",
     "atomic_write_bytes",
     "bind",
@@ -46,4 +49,5 @@ __all__ = [
     "jax_warp_device",
     "register_ffi_callback",
     "set_checked",
+    "trace",
 ]

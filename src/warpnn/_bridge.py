@@ -15,7 +15,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _checked, _sharding
+from . import _checked, _pruned, _sharding
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
@@ -667,6 +667,11 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
             "module), so it cannot be differentiated. Remove enable_backward=False, or keep its inputs out of "
             "the gradient with jax.lax.stop_gradient if you only need its forward pass."
         )
+    unused = frozenset(s.name for s in sig.outputs if s.is_float and isinstance(cts[s.name], SymbolicZero))
+    if unused and type(sig) is KernelSignature:  # (checked mode's signatures keep their own kernel)
+        # Outputs with a zero cotangent are left out of the adjoint (their 0 * inf would be NaN): _pruned.py.
+        plan = dataclasses.replace(plan, sig=_pruned.without_outputs(sig, unused))
+        sig = plan.sig
     # Integer results have float0 cotangents; Warp gets no adjoint buffer for them. A symbolic-zero cotangent
     # of one float result among others becomes a zero array: Warp's adjoint reads every result's adjoint.
     float_cts = [jnp.zeros(ct.aval.shape, ct.aval.dtype) if isinstance(ct, SymbolicZero) else ct for ct in float_cts]

@@ -37,13 +37,13 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import pathlib
 import inspect
 import os
 import sys
 import threading
 import types
 import warnings
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -646,7 +646,7 @@ def _build(kernel) -> CheckedKernel:
     return CheckedKernel(checked, tuple(guard.sites))
 
 
-_TRANSFORM_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]
+_TRANSFORM_VERSION = hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:8]
 
 
 def _zero_of(dtype):

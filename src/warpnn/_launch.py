@@ -84,7 +84,9 @@ def _array_desc(buf: _Buffer | None, spec: ArgSpec, offset: int, grad: _Buffer |
         return wc.array_t()
     strides = wc.strides_from_shape(buf.warp_dims, spec.warp_dtype)
     grad_ptr = grad.data + grad_offset if grad is not None else 0
-    return wc.array_t(buf.data + offset, grad_ptr, spec.warp_ndim, buf.warp_dims, strides)
+    # A zero-size array is Warp's null array (as wp.zeros(0) is), so `if arr:` in a kernel is false for it.
+    data = buf.data + offset if buf.item_bytes else 0
+    return wc.array_t(data, grad_ptr, spec.warp_ndim, buf.warp_dims, strides)
 
 
 def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):
@@ -150,11 +152,20 @@ _LOADED: dict[tuple[int, Any, Any], _LoadedKernel] = {}
 _LOAD_LOCK = threading.RLock()
 
 
+def check_warp_supports(device, key: str) -> None:
+    """A clear error when this Warp build cannot run kernels on ``device`` (a wheel without CPU or CUDA support)."""
+    if device.is_cpu and not wp.is_cpu_available():
+        raise RuntimeError(f"kernel '{key}': this Warp build does not include CPU support (its CPU compiler is missing)")
+    if device.is_cuda and not wc.runtime().is_cuda_enabled:
+        raise RuntimeError(f"kernel '{key}': this Warp build does not include CUDA support")
+
+
 def load_kernel(kernel, device, block_dim=None) -> _LoadedKernel:
     """Load (once per device and block dim) the Warp module holding ``kernel``; also used at trace time to preload."""
     key = (id(kernel), device.context if device.is_cuda else "cpu", wc.resolve_block_dim(device, block_dim))
     loaded = _LOADED.get(key)
     if loaded is None:
+        check_warp_supports(device, kernel.key)
         with _LOAD_LOCK:
             loaded = _LOADED.get(key)
             if loaded is None:

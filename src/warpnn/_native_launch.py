@@ -51,7 +51,7 @@ import warp as wp
 from . import _warp_compat as wc
 from ._devices import trace_devices
 from ._ffi_attrs import SCALAR_ATTR_PREFIX
-from ._launch import _LOAD_LOCK, refuse_deterministic
+from ._launch import _LOAD_LOCK, check_warp_supports, refuse_deterministic
 from ._signature import ArgSpec, KernelSignature
 
 ABI_VERSION = 3  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
@@ -204,6 +204,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.warpnn_set_driver.argtypes = [c.c_void_p] * 5
     lib.warpnn_set_driver.restype = None
     lib.warpnn_driver_launches.restype = c.c_int64
+    lib.warpnn_set_resolve_error.argtypes = [c.c_char_p]
+    lib.warpnn_set_resolve_error.restype = None
     lib.warpnn_handler_entries.argtypes = [c.c_int32]
     lib.warpnn_handler_entries.restype = c.c_int64
     lib.warpnn_register_kernel.argtypes = [
@@ -449,6 +451,7 @@ class NativeLauncher:
 
     @staticmethod
     def _load(sig: KernelSignature, device):
+        check_warp_supports(device, sig.key)
         # The same module variant as PythonLauncher (_launch.load_kernel): block_dim 1 on the CPU, 256 on CUDA.
         with _LOAD_LOCK:  # one lock for both launchers: Warp's module loading is not thread-safe
             module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, sig.block_dim))
@@ -489,8 +492,9 @@ class NativeLauncher:
                 device = wp.get_cuda_device(ordinal) if platform else wp.get_device("cpu")
                 self._set_entry(kid, sig, device)
             return 0
-        except BaseException:  # noqa: BLE001 - must not unwind into C; the handler reports an FFI error
+        except BaseException as e:  # noqa: BLE001 - must not unwind into C; the handler reports an FFI error
             traceback.print_exc()
+            self._lib.warpnn_set_resolve_error(f"{type(e).__name__}: {e}".encode(errors="replace"))
             return 1
 
 

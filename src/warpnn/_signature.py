@@ -774,3 +774,39 @@ def signature_of(kernel: Any, num_outputs: int, in_out_argnames=(), block_dim: i
     sig = KernelSignature(kernel, inputs, outputs, in_out_argnames, block_dim)
     _SIGNATURES[cache_key] = sig
     return sig
+
+
+# --------------------------------------------------------------------------------------------------
+# Queries for callers that replay launches of arbitrary kernels (the launch tracer), over the same analysis.
+
+
+def kernel_array_uses(kernel: Any) -> dict[str, ArrayUse]:
+    """How ``kernel`` uses each of its array parameters (``ArrayUse``), whatever its inputs / outputs split.
+
+    The launch tracer asks this of every kernel a traced function launches, before it knows which arguments
+    will be results; the analysis is ``analyse_array_uses``, the one behind zeroing and in-out checks.
+    """
+    cached = _KERNEL_USES.get(id(kernel))
+    if cached is not None and cached[0] is kernel:
+        return cached[1]
+    specs = []
+    for a in kernel.adj.args:
+        if wc.matches_array_class(a.type, wp.array):
+            try:
+                specs.append(_arg_spec(a.label, a.type, kernel.key))
+            except TypeError:  # an array of structs: analysed by name and rank only
+                specs.append(ArgSpec(a.label, a.type, True, a.type.ndim, (), np.dtype(np.uint8)))
+    uses = analyse_array_uses(kernel, specs)
+    _KERNEL_USES[id(kernel)] = (kernel, uses)
+    return uses
+
+
+_KERNEL_USES: dict[int, tuple[Any, dict[str, ArrayUse]]] = {}
+
+
+def fully_written(kernel: Any, name: str) -> bool:
+    """Whether every thread of ``kernel`` stores ``name[tid...]`` unconditionally (see ``outputs_fully_written``)."""
+    try:
+        return _fully_written(kernel.adj.tree, name)
+    except Exception:  # noqa: BLE001 - no source tree: not provably written
+        return False

@@ -187,6 +187,14 @@ WARPNN_EXPORT int32_t warpnn_abi_version(void) { return WARPNN_ABI_VERSION; }
 WARPNN_EXPORT const char* warpnn_source_hash(void) { return WARPNN_SOURCE_HASH; }
 WARPNN_EXPORT int32_t warpnn_array_t_size(void) { return (int32_t)sizeof(wp_array_t); }
 
+/* Why the resolver (Python) could not load a module, for the handler's error message; per thread, since the
+ * resolver runs on the handler's thread. */
+static _Thread_local char t_resolve_error[512];
+
+WARPNN_EXPORT void warpnn_set_resolve_error(const char* message) {
+    snprintf(t_resolve_error, sizeof(t_resolve_error), "%s", message ? message : "");
+}
+
 WARPNN_EXPORT void warpnn_init(void* cuda_launch_kernel, void* memset_device, void* get_error_string,
                                void* take_cpu_block_error, void* resolver) {
     atomic_store(&g_cuda_launch, (cuda_launch_fn)cuda_launch_kernel);
@@ -617,12 +625,14 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         /* Not loaded for this device at trace time (e.g. a jit placed on a device of another backend): ask
          * Python once to load the Warp module here and register it. */
         resolver_fn resolve = atomic_load(&g_resolver);
+        t_resolve_error[0] = 0;
         if (resolve && resolve(d->id, cuda, ordinal) == 0) entry = atomic_load_explicit(slot_ptr, memory_order_acquire);
         if (!entry)
             return make_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION,
                               "warpnn: kernel '%s' (%s) has no entry point for %s device %d: the Warp module "
-                              "could not be loaded there (see the Python traceback above, if any)",
-                              kname, kDirection[mode], platform, (int)ordinal);
+                              "could not be loaded there: %s",
+                              kname, kDirection[mode], platform, (int)ordinal,
+                              t_resolve_error[0] ? t_resolve_error : "(see the Python traceback above, if any)");
     }
     void* fn = mode ? entry->backward : entry->forward;
     if (!fn)
@@ -776,7 +786,9 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
          * batch shape: a size-1 dim (unbatched, broadcast operand) gets stride 0. */
         if (slot->param < kMaxGradAliases) (slot->adjoint ? adjoint_array : primal_array)[slot->param] = num_arrays;
         ArraySlot* as = &arrays[num_arrays++];
-        as->base = (uint8_t*)buf->data;
+        /* A zero-size array is Warp's null array (wp.zeros(0) has no allocation), so `if arr:` in a kernel is
+         * false for it, as for None: XLA may give zero-size buffers a non-null address. */
+        as->base = stride ? (uint8_t*)buf->data : NULL;
         as->field = field;
         as->grad_from = -1;
         for (int64_t k = batch_rank - 1, own = lead - 1; k >= 0; --k, --own) {
@@ -867,7 +879,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
             ArraySlot* as = &arrays[k];
             int64_t offset = 0;
             for (int64_t j = 0; j < batch_rank; ++j) offset += index[j] * as->batch_stride[j];
-            uint64_t data = (uint64_t)(uintptr_t)(as->base + offset);
+            uint64_t data = as->base ? (uint64_t)(uintptr_t)(as->base + offset) : 0;
             memcpy(as->field + offsetof(wp_array_t, data), &data, sizeof(data));
         }
         for (int32_t k = 0; k < num_arrays; ++k) /* after every data pointer of this batch element is set */

@@ -1,0 +1,695 @@
+"""``warpnn.trace``: record the Warp launches of a Python function once, replay them as a JAX function.
+
+A simulator step is Python that launches many Warp kernels on arrays it keeps in objects (Newton's
+``solver.step(state_in, state_out, control, contacts, dt)``). ``trace`` runs such a function once with
+``wp.launch``, ``wp.copy``, ``wp.clone`` and ``array.zero_`` / ``fill_`` / ``assign`` hooked, records
+every operation with the arrays it touched, and returns a :class:`WarpProgram`: a pure function of JAX
+arrays that performs the same operations, each launch as one ``warpnn.jax_kernel`` call. JAX then sees
+every launch, so ``grad`` (through each kernel's Warp adjoint), ``vmap``, ``lax.scan``, ``jax.checkpoint``
+and XLA's CUDA graphs work on the whole step, with no Python per step.
+
+How a recorded launch becomes a functional call (what a kernel reads and writes comes from the bridge's
+analysis, ``_signature.kernel_array_uses``):
+
+* arrays the caller names as ``inputs`` are the program's JAX arguments; every other array is a
+  constant captured when it is first touched (its value before the step);
+* the kernel's arguments from the first one it writes to the end are the call's results: an array every
+  thread provably stores whole is a pure output; every other one (accumulated into with ``wp.atomic_add``
+  / ``+=``, stored under a condition, read and written) is an in-out argument, updated from its previous
+  value exactly as Warp updates it, and differentiated through the bridge's in-out adjoint;
+* ``None`` for an array parameter stays ``None`` (Warp's null array; an empty output when it is a result).
+
+Refused, with an error naming the operation and the fix: host reads of array data inside the function
+(``array.numpy()``: its control flow could depend on data the replay would freeze), host-side rebuilds
+of acceleration structures (``HashGrid.build``, ``Mesh.refit``, ...) unless ``frozen_host_ops=True``,
+Warp's native array utilities (scans, sorts), graph capture, adjoint launches, scalar parameters after a
+written array, and aliasing array views. ``wp.struct`` arguments pass as dicts of their fields. Reverse mode through a kernel that reads values
+other threads write is refused by the bridge when differentiated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import math
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import warp as wp
+
+from . import _warp_compat as wc
+from ._bridge import jax_kernel
+from ._signature import fully_written, kernel_array_uses
+
+# What the tracer refuses, with the fix. Module constants so that tests and docs can refer to them.
+HOST_READ_MESSAGE = (
+    "warpnn.trace: the traced function read array data to the host ({what}) while it was being traced. "
+    "Its Python control flow may depend on that data, which the replay would freeze at its trace-time "
+    "value. Fix: move the host read out of the traced function (read the program's outputs instead), or "
+    "compute the decision inside a kernel."
+)
+HOST_REBUILD_MESSAGE = (
+    "warpnn.trace: the traced function rebuilt a host-side structure ({what}). The replay cannot rebuild "
+    "it per call: it would keep the structure built from the trace-time data. Fix: remove the rebuild "
+    "from the step (for Newton, set model.particle_grid = None to drop particle self-contact, as Newton "
+    "recommends for gradients), or pass frozen_host_ops=True to warpnn.trace to accept the trace-time "
+    "structure for every replay."
+)
+UNSUPPORTED_OP_MESSAGE = (
+    "warpnn.trace: the traced function called {what}, which runs outside Warp's kernel launches (native "
+    "code or graph machinery) and cannot be replayed as a JAX operation. Fix: call it outside the traced "
+    "function, or replace it by a kernel."
+)
+RESULT_ORDER_MESSAGE = (
+    "warpnn.trace: kernel '{key}' writes '{first}' but takes the scalar(s) {scalars} after it. warpnn.jax_kernel "
+    "(like wp.jax_kernel) returns the trailing arguments of a kernel as its results, so every argument after "
+    "the first one the kernel writes must be an array. Fix: move the kernel's scalar parameters before the "
+    "arrays it writes."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArrayInfo:
+    """What the replay needs to know about one recorded Warp array."""
+
+    key: Any
+    shape: tuple[int, ...]  # the JAX shape: Warp shape + the dtype's inner dims
+    dtype: np.dtype
+    label: str  # how messages name it: the input name, or the first kernel argument it was passed as
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """One kernel launch as a ``warpnn.jax_kernel`` call: the arguments ``params[first_result:]`` are its results.
+
+    Results are in-out arrays (passed in with their previous value, so the kernel updates it as Warp would:
+    accumulations, stores under a condition, reads of the old value) except a trailing run of pure outputs:
+    arrays each thread provably stores whole, and ``None`` results (Warp's null array: an empty output).
+    """
+
+    kernel: Any
+    dims: tuple[int, ...]
+    block_dim: int | None
+    num_outputs: int  # results, in-out arrays included
+    in_out_names: tuple[str, ...]
+    inputs: tuple[tuple[str, Any], ...]  # the call's arguments: ("array", key) | ("none", None) | ("scalar", value)
+    results: tuple[tuple[Any, str], ...]  # (key or None, param name), in the call's result order
+    output_dims: tuple[tuple[str, tuple[int, ...]], ...]  # JAX shapes of the pure outputs, by name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Copy:
+    dest: Any
+    src: Any
+    dest_offset: int
+    src_offset: int
+    count: int
+    warp_ndim: int  # dims before the dtype's inner dims: wp.copy counts elements of the dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fill:
+    dest: Any
+    value: Any  # a scalar or an element (tuple) for the dtype; 0 for zero_()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Set:
+    dest: Any
+    src: Any  # another array's key (clone, assign of an array)
+
+
+class WarpProgram:
+    """A recorded Warp function as a pure JAX function ``program(inputs) -> outputs``. Create with :func:`trace`.
+
+    ``inputs`` and the result are dicts keyed by the names given to :func:`trace`, holding JAX arrays of the
+    Warp arrays' shapes (a ``wp.array(dtype=wp.vec3)`` of length n is an ``(n, 3)`` array).
+    """
+
+    def __init__(self, ops, arrays, constants, input_keys, output_keys):
+        self._ops = tuple(ops)
+        self._arrays: dict[Any, _ArrayInfo] = arrays
+        self._constants_np: dict[Any, np.ndarray] = constants
+        self._constants: dict[Any, jax.Array] | None = None
+        self._input_keys: dict[str, Any] = input_keys
+        self._output_keys: dict[str, Any] = output_keys
+
+    @property
+    def input_specs(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return {n: jax.ShapeDtypeStruct(self._arrays[k].shape, self._arrays[k].dtype) for n, k in self._input_keys.items()}
+
+    @property
+    def output_specs(self) -> dict[str, jax.ShapeDtypeStruct]:
+        return {n: jax.ShapeDtypeStruct(self._arrays[k].shape, self._arrays[k].dtype) for n, k in self._output_keys.items()}
+
+    @property
+    def num_launches(self) -> int:
+        return sum(isinstance(op, _Launch) for op in self._ops)
+
+    def describe(self) -> str:
+        """One line per recorded operation: what the replay does."""
+        label = lambda k: self._arrays[k].label  # noqa: E731
+        lines = []
+        for op in self._ops:
+            if isinstance(op, _Launch):
+                outs = ", ".join(f"{p} {'updated' if p in op.in_out_names else '='}" for _, p in op.results)
+                lines.append(f"launch {op.kernel.key} dims {op.dims}: {outs}")
+            elif isinstance(op, _Copy):
+                lines.append(f"copy {label(op.src)} -> {label(op.dest)}")
+            elif isinstance(op, _Fill):
+                lines.append(f"fill {label(op.dest)} with {op.value}")
+            else:
+                lines.append(f"set {label(op.dest)} = {label(op.src)}")
+        return "\n".join(lines)
+
+    def initial_inputs(self) -> dict[str, np.ndarray]:
+        """The inputs' values when the function was traced (NumPy copies), e.g. to start a rollout."""
+        return {n: self._constants_np[k].copy() for n, k in self._input_keys.items()}
+
+    def _constant(self, key) -> jax.Array:
+        if self._constants is None:
+            self._constants = {}
+        value = self._constants.get(key)
+        if value is None:
+            with jax.ensure_compile_time_eval():  # a concrete array, never a tracer of the current trace
+                value = self._constants[key] = jnp.asarray(self._constants_np[key])
+        return value
+
+    @functools.cached_property
+    def _constant_names(self) -> dict[Any, str]:
+        """Each constant array's name in :meth:`constants`: its order of first use and the argument it was."""
+        used = []
+        for op in self._ops:
+            keys = [*_array_keys(op.inputs), *(k for k, _ in op.results if k is not None)] \
+                if isinstance(op, _Launch) else [getattr(op, "src", None), op.dest]
+            used += [k for k in keys if k is not None and k not in used]
+        inputs = set(self._input_keys.values())
+        return {k: f"{i:03d}:{self._arrays[k].label}" for i, k in enumerate(k for k in used if k not in inputs)}
+
+    def constants(self) -> dict[str, jax.Array]:
+        """The arrays the program reads that are not inputs (their values before the traced call), by name.
+
+        A program called inside ``jax.jit`` otherwise embeds them in the compiled program as literals (JAX
+        inlines closed-over arrays), which is fine for small models; for large ones, pass them as an argument
+        of the jitted function and on to the call (``program(inputs, constants=c)``), so they stay device
+        buffers and compile time does not grow with the model.
+        """
+        return {name: self._constant(key) for key, name in self._constant_names.items()}
+
+    def __call__(self, inputs: Mapping[str, Any], constants: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
+        """Replay the recorded operations on ``inputs``; ``constants``: from :meth:`constants` (optional)."""
+        env: dict[Any, jax.Array] = {}
+        if constants is not None:
+            names = self._constant_names
+            if set(constants) != set(names.values()):
+                raise TypeError(
+                    "warpnn.WarpProgram: constants must be exactly the dict program.constants() returns "
+                    f"({len(names)} arrays), got {len(constants)} entries."
+                )
+            env.update({key: jnp.asarray(constants[name]) for key, name in names.items()})
+        missing = [n for n in self._input_keys if n not in inputs]
+        unknown = [n for n in inputs if n not in self._input_keys]
+        if missing or unknown:
+            raise TypeError(
+                "warpnn.WarpProgram: the inputs must be exactly the names given to warpnn.trace "
+                f"{sorted(self._input_keys)}" + (f"; missing {missing}" if missing else "")
+                + (f"; unknown {unknown}" if unknown else "")
+            )
+        for name, key in self._input_keys.items():
+            info, value = self._arrays[key], inputs[name]
+            if tuple(np.shape(value)) != info.shape or np.dtype(value.dtype) != info.dtype:
+                raise TypeError(
+                    f"warpnn.WarpProgram: input '{name}' must have shape {info.shape} and dtype {info.dtype.name} "
+                    f"(the traced Warp array's), got shape {tuple(np.shape(value))} and dtype {np.dtype(value.dtype).name}. "
+                    "To batch calls, use jax.vmap."
+                )
+            env[key] = jnp.asarray(value)
+
+        def get(key):
+            return env[key] if key in env else self._constant(key)
+
+        for op in self._ops:
+            if isinstance(op, _Launch):
+                _replay_launch(op, get, env)
+            elif isinstance(op, _Copy):
+                env[op.dest] = _replay_copy(op, get(op.dest), get(op.src))
+            elif isinstance(op, _Fill):
+                info = self._arrays[op.dest]
+                env[op.dest] = jnp.broadcast_to(jnp.asarray(op.value, info.dtype), info.shape)
+            else:
+                env[op.dest] = get(op.src)
+        return {name: get(key) for name, key in self._output_keys.items()}
+
+
+def _array_keys(specs):
+    for spec in specs:
+        kind, value = spec[-2], spec[-1]
+        if kind == "array":
+            yield value
+        elif kind == "struct":
+            yield from _array_keys(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_call(kernel, num_outputs, in_out_names, block_dim):
+    return jax_kernel(kernel, num_outputs, in_out_argnames=list(in_out_names), block_dim=block_dim)
+
+
+def _argument(kind, value, get):
+    if kind == "array":
+        return get(value)
+    if kind == "struct":
+        return {name: _argument(k, v, get) for name, k, v in value}
+    return None if kind == "none" else value
+
+
+def _replay_launch(op: _Launch, get, env) -> None:
+    args = [_argument(kind, v, get) for kind, v in op.inputs]
+    call = _kernel_call(op.kernel, op.num_outputs, op.in_out_names, op.block_dim)
+    results = call(*args, launch_dims=op.dims, output_dims=dict(op.output_dims) if op.output_dims else None)
+    for (key, _), result in zip(op.results, results):
+        if key is not None:  # a None result is Warp's null array: nothing to keep
+            env[key] = result
+
+
+def _replay_copy(op: _Copy, dest: jax.Array, src: jax.Array) -> jax.Array:
+    # wp.copy counts elements of the dtype over the flattened arrays; vector dtypes keep their inner dims.
+    inner = dest.shape[op.warp_ndim :]
+    flat_dest, flat_src = dest.reshape((-1, *inner)), src.reshape((-1, *inner))
+    count = op.count or min(flat_dest.shape[0] - op.dest_offset, flat_src.shape[0] - op.src_offset)
+    piece = jax.lax.dynamic_slice_in_dim(flat_src, op.src_offset, count).astype(dest.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(flat_dest, piece, op.dest_offset, 0).reshape(dest.shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# Recording
+
+
+_TRACE_LOCK = threading.Lock()
+
+
+def _jax_shape(arr: wp.array) -> tuple[int, ...]:
+    dtype: Any = arr.dtype
+    inner = tuple(dtype._shape_) if hasattr(dtype, "_wp_scalar_type_") else ()
+    return (*arr.shape, *inner)
+
+
+def _scalar_dtype(warp_dtype) -> np.dtype:
+    scalar = warp_dtype._wp_scalar_type_ if hasattr(warp_dtype, "_wp_scalar_type_") else warp_dtype
+    return np.dtype(wp.dtype_to_jax(scalar))
+
+
+class _Recorder:
+    def __init__(self, input_arrays: Mapping[str, wp.array], frozen_host_ops: bool):
+        self.ops: list = []
+        self.arrays: dict[Any, _ArrayInfo] = {}
+        self.snapshots: dict[Any, np.ndarray] = {}
+        self.frozen_host_ops = frozen_host_ops
+        self.depth = 0  # >0 while a recorded operation runs (its internal launches are not recorded)
+        self._nbytes: dict[Any, int] = {}
+        self._objects: dict[Any, wp.array] = {}
+        self.input_keys = {}
+        for name, arr in input_arrays.items():
+            if not isinstance(arr, wp.array):
+                raise TypeError(
+                    f"warpnn.trace: input '{name}' must be a wp.array (the array the function reads), got "
+                    f"{type(arr).__name__}. Scalars passed to kernels are static: to train one, keep it in a "
+                    "1-element array the kernel reads."
+                )
+            self.input_keys[name] = self.touch(arr, name)
+
+    # -- arrays --------------------------------------------------------------------------------
+
+    def register(self, arr: wp.array, label: str):
+        if type(arr) is not wp.array:
+            raise TypeError(
+                f"warpnn.trace: argument '{label}' is a {type(arr).__name__}; only plain wp.array arguments can be "
+                "replayed (not indexed or fabric arrays)."
+            )
+        if not arr.is_contiguous:
+            raise TypeError(
+                f"warpnn.trace: argument '{label}' is a non-contiguous array view (strides {arr.strides}); "
+                "the replay needs contiguous arrays. Pass a contiguous array (wp.clone of the view)."
+            )
+        key: Any = (arr.ptr, tuple(arr.shape), arr.dtype, str(arr.device)) if arr.ptr else ("empty", id(arr))
+        if key in self.arrays:
+            return key
+        if arr.ptr:
+            start, end = arr.ptr, arr.ptr + arr.capacity
+            for other in self.arrays.values():
+                o: Any = other.key
+                if o[0] != "empty" and o[3] == key[3] and o[0] < end and start < o[0] + self._nbytes[o]:
+                    raise TypeError(
+                        f"warpnn.trace: argument '{label}' (shape {arr.shape}, {arr.dtype.__name__}) shares memory "
+                        f"with '{other.label}' (another view of the same allocation). The replay treats arrays "
+                        "as separate values, so aliasing views cannot be replayed. Fix: use separate arrays."
+                    )
+        self._nbytes[key] = arr.capacity
+        self._objects[key] = arr
+        self.arrays[key] = _ArrayInfo(key, _jax_shape(arr), _scalar_dtype(arr.dtype), label)
+        return key
+
+    def touch(self, arr: wp.array, label: str):
+        """Register ``arr`` and keep its pre-step value (before the operation that touches it runs)."""
+        key = self.register(arr, label)
+        if key not in self.snapshots:
+            with self.suspended():
+                self.snapshots[key] = arr.numpy().copy() if arr.size else np.zeros(self.arrays[key].shape, self.arrays[key].dtype)
+        return key
+
+    @contextlib.contextmanager
+    def suspended(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def launch(self, kernel, dim, inputs, outputs, adjoint, block_dim):
+        if adjoint:
+            raise TypeError(UNSUPPORTED_OP_MESSAGE.format(what=f"wp.launch(adjoint=True) of kernel '{kernel.key}'"))
+        if not isinstance(kernel, wp.Kernel):
+            raise TypeError(f"warpnn.trace: wp.launch got {type(kernel).__name__}, not a Warp kernel.")
+        args = [*inputs, *outputs]
+        if kernel.is_generic:
+            kernel = kernel._add_normalized_overload(kernel.infer_argument_types(args))
+        params = kernel.adj.args
+        if len(args) != len(params):
+            raise TypeError(f"warpnn.trace: kernel '{kernel.key}' takes {len(params)} arguments, got {len(args)}.")
+        dims = (int(dim),) if isinstance(dim, (int, np.integer)) else tuple(int(d) for d in dim)
+        if math.prod(dims) == 0:  # Warp launches nothing: nothing changes
+            return
+        uses = kernel_array_uses(kernel)
+        is_array = [p.label in uses for p in params]
+        written = [is_array[i] and uses[p.label].writes for i, p in enumerate(params)]
+        if not any(written):
+            return  # writes no array: nothing the replay can see
+        first = written.index(True)
+        scalars = [p.label for i, p in enumerate(params) if i >= first and not is_array[i]]
+        if scalars:
+            raise TypeError(RESULT_ORDER_MESSAGE.format(key=kernel.key, first=params[first].label, scalars=scalars))
+
+        # Pure outputs: a trailing run of None results and of arrays every thread stores whole; the bridge zeroes
+        # (or fully overwrites) them. Every other result is in-out, updated from its previous value.
+        pure = len(params)
+        while pure > first:
+            p, value = params[pure - 1], args[pure - 1]
+            whole = value is not None and uses[p.label].writes and not uses[p.label].reads and (
+                fully_written(kernel, p.label) and tuple(value.shape) == dims)
+            if not (value is None or whole):
+                break
+            pure -= 1
+        in_out = [p.label for p in params[first:pure]]
+        call_inputs = []
+        for i, (p, value) in enumerate(zip(params[:pure], args[:pure])):
+            if not is_array[i]:
+                if hasattr(value, "_cls"):  # a wp.struct: the bridge takes a dict of its fields
+                    call_inputs.append(("struct", self._struct_spec(value, p.label)))
+                else:
+                    call_inputs.append(("scalar", _plain_scalar(value)))
+            elif value is None:
+                call_inputs.append(("none", None))
+            else:
+                call_inputs.append(("array", self.touch(value, p.label)))
+        results, output_dims = [], []
+        for i, (p, value) in enumerate(zip(params[first:], args[first:]), start=first):
+            if value is None:
+                results.append((None, p.label))
+                if i >= pure:
+                    output_dims.append((p.label, self._empty_shape(p.type)))
+                continue
+            key = self.touch(value, p.label)
+            if i >= pure:
+                output_dims.append((p.label, self.arrays[key].shape))
+            results.append((key, p.label))
+        if in_out and any(v is None for v in args[first:pure]):
+            none = [p.label for p, v in zip(params[first:pure], args[first:pure]) if v is None]
+            raise TypeError(
+                f"warpnn.trace: kernel '{kernel.key}' was launched with None for {none}, which it may update in "
+                "place (an in-out argument); pass an array (an empty one if the kernel tests for a null array)."
+            )
+        self.ops.append(_Launch(kernel, dims, block_dim or None, len(params) - first, tuple(in_out),
+                                tuple(call_inputs), tuple(results), tuple(output_dims)))
+
+    def _struct_spec(self, value, label):
+        """A struct argument as (field, kind, value) triples, arrays by key, nested structs recursively."""
+        fields = []
+        for name in value._cls.vars:
+            field = getattr(value, name)
+            if isinstance(field, wp.array):
+                fields.append((name, "array", self.touch(field, f"{label}.{name}")))
+            elif field is None:
+                fields.append((name, "none", None))
+            elif hasattr(field, "_cls"):
+                fields.append((name, "struct", self._struct_spec(field, f"{label}.{name}")))
+            else:
+                fields.append((name, "scalar", _plain_scalar(field)))
+        return tuple(fields)
+
+    @staticmethod
+    def _empty_shape(warp_type) -> tuple[int, ...]:
+        dtype = warp_type.dtype
+        inner = tuple(dtype._shape_) if hasattr(dtype, "_wp_scalar_type_") else ()
+        return (0,) * warp_type.ndim + inner
+
+    def copy(self, dest, src, dest_offset, src_offset, count):
+        d, s = self.touch(dest, "wp.copy dest"), self.touch(src, "wp.copy src")
+        self.ops.append(_Copy(d, s, int(dest_offset), int(src_offset), int(count), dest.ndim))
+
+    def fill(self, dest, value):
+        d = self.touch(dest, "filled array")
+        if hasattr(value, "_wp_scalar_type_") or isinstance(value, (tuple, list, np.ndarray)):
+            value = tuple(np.asarray(value, dtype=self.arrays[d].dtype).reshape(-1).tolist())
+            value = np.asarray(value, dtype=self.arrays[d].dtype).reshape(self.arrays[d].shape[dest.ndim :])
+        self.ops.append(_Fill(d, value))
+
+    def set(self, dest, src):
+        d, s = self.touch(dest, "cloned array"), self.touch(src, "clone source")
+        self.ops.append(_Set(d, s))
+
+    # -- end -----------------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Put back every touched array's pre-trace contents: tracing must not change the caller's data."""
+        for key, snap in self.snapshots.items():
+            arr = self._objects[key]
+            if arr.size:
+                _ORIGINAL["assign"](arr, snap)
+
+
+def _plain_scalar(value):
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if hasattr(value, "value") and np.isscalar(value.value):  # wp.float32(...) and friends
+        return _plain_scalar(value.value)
+    return value  # anything else: the bridge names what it expects
+
+
+# --------------------------------------------------------------------------------------------------
+# Hooks
+
+
+_ORIGINAL: dict[str, Callable] = {}
+_ACTIVE: list[_Recorder] = []
+_LAUNCH_SIG = None
+
+
+def _install_hooks():
+    global _LAUNCH_SIG
+    if _ORIGINAL:
+        return
+    _ORIGINAL.update(
+        launch=wp.launch, copy=wp.copy, clone=wp.clone, zero_=wp.array.zero_, fill_=wp.array.fill_,
+        assign=wp.array.assign, numpy=wp.array.numpy, list=wp.array.list,
+    )
+    _LAUNCH_SIG = inspect.signature(_ORIGINAL["launch"])
+
+
+def _recorder() -> _Recorder | None:
+    rec = _ACTIVE[-1] if _ACTIVE else None
+    return rec if rec is not None and rec.depth == 0 else None
+
+
+def _hooked_launch(*args, **kwargs):
+    rec = _recorder()
+    if rec is not None:
+        bound = _LAUNCH_SIG.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        rec.launch(a["kernel"], a["dim"], a["inputs"], a["outputs"], a["adjoint"], a["block_dim"])
+        with rec.suspended():
+            return _ORIGINAL["launch"](*args, **kwargs)
+    return _ORIGINAL["launch"](*args, **kwargs)
+
+
+def _hooked_copy(dest, src, dest_offset=0, src_offset=0, count=0, stream=None):
+    rec = _recorder()
+    if rec is not None:
+        rec.copy(dest, src, dest_offset, src_offset, count)
+        with rec.suspended():
+            return _ORIGINAL["copy"](dest, src, dest_offset, src_offset, count, stream)
+    return _ORIGINAL["copy"](dest, src, dest_offset, src_offset, count, stream)
+
+
+def _hooked_clone(src, *args, **kwargs):
+    rec = _recorder()
+    if rec is None:
+        return _ORIGINAL["clone"](src, *args, **kwargs)
+    with rec.suspended():
+        result = _ORIGINAL["clone"](src, *args, **kwargs)
+    rec.set(result, src)
+    return result
+
+
+def _hooked_zero(self):
+    rec = _recorder()
+    if rec is not None:
+        rec.fill(self, 0)
+        with rec.suspended():
+            return _ORIGINAL["zero_"](self)
+    return _ORIGINAL["zero_"](self)
+
+
+def _hooked_fill(self, value):
+    rec = _recorder()
+    if rec is not None:
+        rec.fill(self, value)
+        with rec.suspended():
+            return _ORIGINAL["fill_"](self, value)
+    return _ORIGINAL["fill_"](self, value)
+
+
+def _hooked_assign(self, src):
+    rec = _recorder()
+    if rec is not None:
+        if isinstance(src, wp.array):
+            rec.copy(self, src, 0, 0, 0)
+        else:  # host data: a constant of the program
+            rec.touch(self, "assigned array")
+            with rec.suspended():
+                _ORIGINAL["assign"](self, src)
+                const = rec.arrays[rec.register(self, "assigned array")]
+                rec.ops.append(_Fill(const.key, self.numpy().copy()))
+            return None
+        with rec.suspended():
+            return _ORIGINAL["assign"](self, src)
+    return _ORIGINAL["assign"](self, src)
+
+
+def _hooked_host_read(name):
+    def read(self, *args, **kwargs):
+        if _recorder() is not None:
+            raise RuntimeError(HOST_READ_MESSAGE.format(what=f"array.{name}() of a {self.dtype.__name__} array of shape {self.shape}"))
+        return _ORIGINAL[name](self, *args, **kwargs)
+
+    return read
+
+
+def _refused_targets():
+    """(owner, attribute, is_host_rebuild) of every Warp entry point the replay cannot reproduce."""
+    targets = [(wp.HashGrid, "build", True), (wp.Mesh, "refit", True), (wp.Bvh, "refit", True),
+               (wp.Bvh, "rebuild", True), (wp.Mesh, "rebuild", True), (wp, "capture_launch", False),
+               (wp, "capture_begin", False)]
+    for name in ("array_scan", "radix_sort_pairs", "segmented_sort_pairs", "runlength_encode", "array_sum", "array_inner"):
+        targets.append((wp.utils, name, False))
+    return [(o, a, r) for o, a, r in targets if hasattr(o, a)]
+
+
+@contextlib.contextmanager
+def _hooks(rec: _Recorder):
+    _install_hooks()
+    patches = [
+        (wp, "launch", _hooked_launch), (wp, "copy", _hooked_copy), (wp, "clone", _hooked_clone),
+        (wp.array, "zero_", _hooked_zero), (wp.array, "fill_", _hooked_fill), (wp.array, "assign", _hooked_assign),
+        (wp.array, "numpy", _hooked_host_read("numpy")), (wp.array, "list", _hooked_host_read("list")),
+    ]
+    for owner, attr, rebuild in _refused_targets():
+        name = f"{getattr(owner, '__name__', owner)}.{attr}"
+        _ORIGINAL.setdefault(name, getattr(owner, attr))
+        patches.append((owner, attr, _refusal_named(name, rebuild)))
+    saved = [(o, a, getattr(o, a)) for o, a, _ in patches]
+    with _TRACE_LOCK:
+        for owner, attr, fn in patches:
+            setattr(owner, attr, fn)
+        _ACTIVE.append(rec)
+        try:
+            yield
+        finally:
+            _ACTIVE.pop()
+            for owner, attr, fn in saved:
+                setattr(owner, attr, fn)
+
+
+def _refusal_named(name, rebuild):
+    def refuse(*args, **kwargs):
+        rec = _recorder()
+        if rec is not None and not (rebuild and rec.frozen_host_ops):
+            raise RuntimeError((HOST_REBUILD_MESSAGE if rebuild else UNSUPPORTED_OP_MESSAGE).format(what=name))
+        if rec is not None:
+            with rec.suspended():
+                return _ORIGINAL[name](*args, **kwargs)
+        return _ORIGINAL[name](*args, **kwargs)
+
+    return refuse
+
+
+def trace(
+    fn: Callable[[], Any],
+    inputs: Mapping[str, wp.array],
+    outputs: Mapping[str, wp.array],
+    *,
+    frozen_host_ops: bool = False,
+) -> WarpProgram:
+    """Record the Warp operations of ``fn()`` once and return them as a pure JAX function.
+
+    Example::
+
+        solver = newton.solvers.SolverSemiImplicit(model)
+        program = warpnn.trace(
+            lambda: solver.step(s0, s1, control, contacts, dt),
+            inputs={"q": s0.particle_q, "qd": s0.particle_qd, "f": s0.particle_f, "ke": model.spring_stiffness},
+            outputs={"q": s1.particle_q, "qd": s1.particle_qd},
+        )
+        out = program({"q": q, "qd": qd, "f": f, "ke": ke})      # jit / grad / vmap / lax.scan it
+
+    ``fn`` runs once, for real, on the arrays' device; afterwards every array it touched is restored to its
+    contents before the call, so tracing changes no data the caller holds.
+
+    Args:
+        fn: a function of no arguments that launches Warp kernels (close over the objects it needs).
+        inputs: the arrays whose values the program takes as JAX arguments, by name. Every other array
+            ``fn`` reads is a constant: its value when it was first touched during the trace.
+        outputs: the arrays whose final values the program returns, by name.
+        frozen_host_ops: accept host-side rebuilds (``HashGrid.build``, ``Mesh.refit``, ...) inside ``fn``;
+            the replay then uses the structure built at trace time.
+
+    Returns:
+        A :class:`WarpProgram`.
+    """
+    rec = _Recorder(inputs, frozen_host_ops)
+    output_arrays = {}
+    for name, arr in outputs.items():
+        if not isinstance(arr, wp.array):
+            raise TypeError(f"warpnn.trace: output '{name}' must be a wp.array, got {type(arr).__name__}.")
+        output_arrays[name] = arr
+    try:
+        with _hooks(rec):
+            fn()
+        output_keys = {name: rec.touch(arr, name) for name, arr in output_arrays.items()}
+    finally:
+        wp.synchronize()
+        rec.restore()
+    return WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys)

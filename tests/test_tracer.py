@@ -1,0 +1,259 @@
+"""warpnn.trace: recorded Warp functions replayed as JAX, against the same function run by Warp and pure JAX."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import warp as wp
+
+import warpnn
+from warpnn._signature import kernel_array_uses
+
+from .helpers import assert_close
+
+
+@wp.kernel
+def spring_force(x: wp.array(dtype=wp.vec3), pairs: wp.array(dtype=wp.vec2i), k: wp.array(dtype=float), f: wp.array(dtype=wp.vec3)):
+    s = wp.tid()
+    i, j = pairs[s][0], pairs[s][1]
+    d = x[j] - x[i]
+    wp.atomic_add(f, i, k[s] * d)
+    f[j] -= k[s] * d
+
+
+@wp.kernel
+def gravity_force(m: wp.array(dtype=float), g: float, f: wp.array(dtype=wp.vec3)):
+    i = wp.tid()
+    f[i] += wp.vec3(0.0, 0.0, -g * m[i])
+
+
+@wp.kernel
+def integrate(x: wp.array(dtype=wp.vec3), v: wp.array(dtype=wp.vec3), f: wp.array(dtype=wp.vec3), m: wp.array(dtype=float),
+              unused: wp.array(dtype=float), dt: float, x_new: wp.array(dtype=wp.vec3), v_new: wp.array(dtype=wp.vec3)):
+    i = wp.tid()
+    v1 = v[i] + f[i] / m[i] * dt
+    if unused:  # a None array reads as false
+        v1 = v1 * unused[i]
+    v_new[i] = v1
+    x_new[i] = x[i] + v1 * dt
+
+
+@wp.kernel
+def scale_in_place(s: float, a: wp.array(dtype=float)):
+    i = wp.tid()
+    a[i] = a[i] * s
+
+
+N, DT, G = 4, 0.01, 9.8
+PAIRS = np.array([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=np.int32)
+
+
+class Springs:
+    """A small simulator in Newton's style: Python that launches kernels on arrays it holds."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.x = wp.array(rng.normal(size=(N, 3)), dtype=wp.vec3)
+        self.v = wp.array(rng.normal(size=(N, 3)) * 0.1, dtype=wp.vec3)
+        self.x_new, self.v_new = wp.zeros(N, dtype=wp.vec3), wp.zeros(N, dtype=wp.vec3)
+        self.f = wp.zeros(N, dtype=wp.vec3)
+        self.k = wp.array(np.linspace(1.0, 2.0, len(PAIRS)), dtype=float)
+        self.m = wp.array(np.linspace(1.0, 1.5, N), dtype=float)
+        self.pairs = wp.array(PAIRS, dtype=wp.vec2i)
+
+    def step(self):
+        self.f.zero_()
+        wp.launch(spring_force, len(PAIRS), inputs=[self.x, self.pairs, self.k], outputs=[self.f])
+        wp.launch(gravity_force, N, inputs=[self.m, G], outputs=[self.f])
+        f_copy = wp.clone(self.f)
+        wp.launch(integrate, N, inputs=[self.x, self.v, f_copy, self.m, None, DT], outputs=[self.x_new, self.v_new])
+
+
+def step_reference(x, v, k, m):
+    d = x[PAIRS[:, 1]] - x[PAIRS[:, 0]]
+    f = jnp.zeros_like(x).at[PAIRS[:, 0]].add(k[:, None] * d).at[PAIRS[:, 1]].add(-k[:, None] * d)
+    f = f + jnp.stack([jnp.zeros(N), jnp.zeros(N), -G * m], axis=1)
+    v1 = v + f / m[:, None] * DT
+    return x + v1 * DT, v1
+
+
+def traced_springs():
+    sim = Springs()
+    program = warpnn.trace(sim.step, inputs={"x": sim.x, "v": sim.v, "k": sim.k}, outputs={"x": sim.x_new, "v": sim.v_new})
+    return sim, program
+
+
+def test_kernel_array_uses_classifies_writes():
+    uses = kernel_array_uses(spring_force)
+    assert uses["f"].writes and not uses["f"].reads and {a.kind for a in uses["f"].accesses} == {"accumulate"}
+    assert uses["x"].reads and not uses["x"].writes
+    uses = kernel_array_uses(integrate)
+    assert uses["v_new"].writes and not uses["v_new"].reads
+    assert not uses["unused"].writes  # `if unused:` tests for a null array only
+    uses = kernel_array_uses(scale_in_place)["a"]
+    assert uses.reads and uses.writes
+
+
+def test_in_place_kernel_replays_and_differentiates():
+    a = wp.array(np.arange(4.0), dtype=float)
+    b = wp.zeros(4, dtype=wp.vec3)
+
+    def fn():
+        wp.launch(scale_in_place, 4, inputs=[3.0, a])
+        wp.launch(gravity_force, 4, inputs=[a, 1.0], outputs=[b])
+
+    program = warpnn.trace(fn, inputs={"a": a}, outputs={"a": a, "b": b})
+    assert "a updated" in program.describe()
+    x = jnp.linspace(1.0, 2.0, 4)
+    out = program({"a": x})
+    assert_close(out["a"], 3 * x)
+    assert_close(out["b"][:, 2], -3 * x)
+    grad = jax.grad(lambda x: (program({"a": x})["a"] ** 2).sum() + program({"a": x})["b"].sum())(x)
+    assert_close(grad, 18 * x - 3)
+
+
+def test_replay_equals_warp_and_pure_jax():
+    sim, program = traced_springs()
+    assert program.num_launches == 3
+    x0, v0, k = (jnp.asarray(a.numpy()) for a in (sim.x, sim.v, sim.k))
+    out = jax.jit(program)({"x": x0, "v": v0, "k": k})
+    sim.step()  # Warp itself, on the same (restored) arrays
+    assert_close(out["x"], sim.x_new.numpy(), rtol=1e-6, atol=1e-7)
+    assert_close(out["v"], sim.v_new.numpy(), rtol=1e-6, atol=1e-7)
+    xr, vr = step_reference(x0, v0, k, jnp.asarray(sim.m.numpy()))
+    assert_close(out["x"], xr, rtol=1e-6, atol=1e-7)
+
+
+def test_tracing_changes_no_caller_data():
+    sim = Springs()
+    before = {n: getattr(sim, n).numpy().copy() for n in ("x", "v", "f", "x_new", "v_new")}
+    warpnn.trace(sim.step, inputs={"x": sim.x, "v": sim.v, "k": sim.k}, outputs={"x": sim.x_new})
+    for n, value in before.items():
+        np.testing.assert_array_equal(getattr(sim, n).numpy(), value, err_msg=n)
+
+
+def test_grad_scan_vmap_checkpoint_against_pure_jax():
+    sim, program = traced_springs()
+    x0, v0, k = (jnp.asarray(a.numpy()) for a in (sim.x, sim.v, sim.k))
+    m = jnp.asarray(sim.m.numpy())
+
+    def rollout(step, x, v, k):
+        def body(carry, _):
+            return jax.checkpoint(step)(*carry, k), None
+
+        (x, v), _ = jax.lax.scan(body, (x, v), None, length=20)
+        return (x**2).sum() + (v * jnp.arange(3.0)).sum()
+
+    def warp_step(x, v, k):
+        out = program({"x": x, "v": v, "k": k})
+        return out["x"], out["v"]
+
+    def ref_step(x, v, k):
+        return step_reference(x, v, k, m)
+
+    grads = jax.jit(jax.grad(rollout, argnums=(1, 2, 3)), static_argnums=0)
+    for got, want in zip(grads(warp_step, x0, v0, k), grads(ref_step, x0, v0, k)):
+        assert_close(got, want, rtol=1e-5, atol=1e-6)
+    xs = jnp.stack([x0, 1.1 * x0, 0.9 * x0])
+    batched = jax.jit(jax.vmap(lambda x: program({"x": x, "v": v0, "k": k})["x"]))(xs)
+    for b in range(3):
+        assert_close(batched[b], program({"x": xs[b], "v": v0, "k": k})["x"], rtol=1e-6, atol=1e-7)
+
+
+def test_copy_and_fill_replay():
+    a = wp.array(np.arange(6.0), dtype=float)
+    b = wp.zeros(8, dtype=float)
+    c = wp.zeros(3, dtype=float)
+
+    def fn():
+        b.fill_(2.0)
+        wp.copy(b, a, dest_offset=1, src_offset=2, count=3)
+        c.assign(a[:3] if False else wp.array([7.0, 8.0, 9.0], dtype=float))
+
+    program = warpnn.trace(fn, inputs={"a": a}, outputs={"b": b, "c": c})
+    out = program({"a": jnp.arange(6.0) * 10})
+    np.testing.assert_array_equal(out["b"], [2, 20, 30, 40, 2, 2, 2, 2])
+    np.testing.assert_array_equal(out["c"], [7, 8, 9])
+
+
+def test_refuses_host_reads():
+    sim = Springs()
+
+    def fn():
+        if sim.k.numpy()[0] > 0:  # data-dependent host control flow
+            sim.step()
+
+    with pytest.raises(RuntimeError, match="read array data to the host"):
+        warpnn.trace(fn, inputs={"k": sim.k}, outputs={"x": sim.x_new})
+
+
+def test_refuses_host_rebuilds_unless_frozen():
+    grid = wp.HashGrid(4, 4, 4)
+    points = wp.array(np.random.default_rng(0).random((16, 3)), dtype=wp.vec3)
+    out = wp.zeros(16, dtype=wp.vec3)
+
+    def fn():
+        grid.build(points, 0.1)
+        wp.copy(out, points)
+
+    with pytest.raises(RuntimeError, match=r"HashGrid.build.*frozen_host_ops=True"):
+        warpnn.trace(fn, inputs={"p": points}, outputs={"o": out})
+    program = warpnn.trace(fn, inputs={"p": points}, outputs={"o": out}, frozen_host_ops=True)
+    assert_close(program({"p": jnp.ones((16, 3))})["o"], np.ones((16, 3)))
+
+
+@wp.kernel
+def scaled_copy(a: wp.array(dtype=float), b: wp.array(dtype=float), s: float):
+    i = wp.tid()
+    b[i] = a[i] * s
+
+
+def test_refuses_scalars_after_written_arrays():
+    a, b = wp.zeros(4, dtype=float), wp.zeros(4, dtype=float)
+    with pytest.raises(TypeError, match=r"scaled_copy.*writes 'b'.*\['s'\]"):
+        warpnn.trace(lambda: wp.launch(scaled_copy, 4, inputs=[a, b, 2.0]), inputs={"a": a}, outputs={"b": b})
+
+
+def test_inputs_checked():
+    sim, program = traced_springs()
+    with pytest.raises(TypeError, match="missing"):
+        program({"x": jnp.zeros((N, 3))})
+    with pytest.raises(TypeError, match=r"input 'k' must have shape \(4,\)"):
+        program({"x": jnp.zeros((N, 3)), "v": jnp.zeros((N, 3)), "k": jnp.zeros(5)})
+
+
+def test_constants_as_arguments_keep_them_out_of_the_program():
+    sim, program = traced_springs()
+    x0, v0, k = (jnp.asarray(a.numpy()) for a in (sim.x, sim.v, sim.k))
+    constants = program.constants()
+    assert any(name.endswith(":pairs") for name in constants) and not any(name.endswith(":x") for name in constants)
+    embedded = jax.jit(lambda x: program({"x": x, "v": v0, "k": k})["x"])
+    passed = jax.jit(lambda x, c: program({"x": x, "v": v0, "k": k}, constants=c)["x"])
+    np.testing.assert_array_equal(embedded(x0), passed(x0, constants))
+    moved = {n: (c + 1.0 if n.endswith(":m") else c) for n, c in constants.items()}  # other masses: other result
+    assert not np.allclose(passed(x0, moved), passed(x0, constants))
+    with pytest.raises(TypeError, match="constants must be exactly"):
+        program({"x": x0, "v": v0, "k": k}, constants={})
+
+
+@wp.struct
+class Spring:
+    k: wp.array(dtype=float)
+    scale: float
+
+
+@wp.kernel
+def struct_force(x: wp.array(dtype=float), spring: Spring, f: wp.array(dtype=float)):
+    i = wp.tid()
+    f[i] = -spring.scale * spring.k[i] * x[i]
+
+
+def test_struct_arguments_replay_and_differentiate():
+    x, f = wp.array(np.linspace(0.0, 1.0, 5), dtype=float), wp.zeros(5, dtype=float)
+    spring = Spring()
+    spring.k, spring.scale = wp.array(np.linspace(1.0, 2.0, 5), dtype=float), 3.0
+    program = warpnn.trace(lambda: wp.launch(struct_force, 5, inputs=[x, spring], outputs=[f]),
+                           inputs={"x": x, "k": spring.k}, outputs={"f": f})
+    xs, k = jnp.linspace(1.0, 2.0, 5), jnp.full(5, 0.5)
+    assert_close(program({"x": xs, "k": k})["f"], -1.5 * xs)
+    assert_close(jax.grad(lambda k: program({"x": xs, "k": k})["f"].sum())(k), -3.0 * xs)
