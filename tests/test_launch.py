@@ -13,7 +13,18 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+import warp as wp
+
+import warpnn
+from warpnn import _launch
+
+from . import checked_kernels as C
+from . import kernels_for_tests as K
+from .helpers import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,17 +114,6 @@ def test_calls_survive_module_rebuilds_on_other_threads(tmp_path, launcher):
 # --------------------------------------------------------------------------------------------------
 # Warp's deterministic mode: refused on CUDA (hidden launch parameters warpnn does not pass), fine on the CPU.
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import warp as wp  # noqa: E402
-
-import warpnn  # noqa: E402
-from warpnn import _launch  # noqa: E402
-
-from . import kernels_for_tests as K  # noqa: E402
-from .helpers import assert_close  # noqa: E402
-
 # The springs scatter of kernels_for_tests, compiled in its own module in run-to-run deterministic mode.
 deterministic_springs = wp.kernel(
     module="unique", module_options={"deterministic": wp.DeterministicMode.RUN_TO_RUN}
@@ -173,8 +173,6 @@ def test_deterministic_mode_is_refused_on_cuda_at_trace_time(launcher):
                    "that grad pointer, so the gradient is silently zero (wp.Tape, which sets it, is right)")
 @pytest.mark.parametrize("launcher", ["python", "native"])
 def test_gradient_through_a_row_view_matches_tape(launcher):
-    from . import checked_kernels as C
-
     g = np.arange(15.0, dtype=np.float32).reshape(3, 5)
     g_wp = wp.array(g, requires_grad=True)
     out = wp.zeros(3, dtype=float, requires_grad=True)
