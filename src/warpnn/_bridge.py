@@ -280,7 +280,7 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     # size 1 when unbatched, and the launcher launches per batch element instead of folding the batch into
     # Warp's dims), wrapped in a primitive that keeps a sharded vmap batch sharded under jax.jit (each
     # device launches its own batch elements) and types outputs under shard_map: see _sharding.py.
-    results = _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, _fence(operands), plan.attrs())
+    results = _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, _fence(operands), plan.attrs(), kernel=(plan.sig, adjoint))
     return _fence(results)
 
 

@@ -52,6 +52,7 @@ from . import _warp_compat as wc
 from ._devices import trace_devices
 from ._launch import SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature
+from . import _batched
 
 ABI_VERSION = 2  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
 NATIVE_DIR = Path(__file__).resolve().with_name("_native")
@@ -214,6 +215,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.warpnn_set_cpu_entry.restype = c.c_int32
     lib.warpnn_set_cuda_entry.argtypes = [c.c_int64, c.c_int32, c.c_void_p, c.c_void_p, c.c_void_p] + [c.c_int32] * 5
     lib.warpnn_set_cuda_entry.restype = c.c_int32
+    _batched.declare_native(lib)
 
 
 def _check_array_layout() -> None:
@@ -339,6 +341,7 @@ class NativeLauncher:
             _address(core.wp_get_error_string), _address(core.wp_take_cpu_block_error), _address(resolver),
         )
         self.set_driver_path(True)
+        self.twins = _batched.NativeTwins(self._lib, self)
         for platform, fwd, adj in (
             ("cpu", self._lib.warpnn_cpu_forward, self._lib.warpnn_cpu_adjoint),
             ("CUDA", self._lib.warpnn_cuda_forward, self._lib.warpnn_cuda_adjoint),
@@ -379,6 +382,10 @@ class NativeLauncher:
             for device in trace_devices():
                 self._set_entry(kid, sig, device)
         return {KERNEL_ID_ATTR: np.int64(kid)}
+
+    def prepare_twin(self, sig: KernelSignature) -> str | None:
+        """Register the batched twin of ``sig`` (``_batched.py``); None when ready, else why there is none."""
+        return self.twins.prepare(sig)
 
     # -- registration
 

@@ -46,6 +46,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import _batched
+
 try:  # public JAX APIs for defining a primitive; guarded so that a JAX without them still runs warpnn
     from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
     from jax.extend.core import Primitive
@@ -106,6 +108,7 @@ class _CallSpec:
     result_dtypes: tuple[str, ...]
     attrs: tuple[tuple[str, Any], ...]
     batch_shape: tuple[int, ...] = ()
+    kernel: Any = None  # the KernelSignature (compared by identity): lets the lowering launch its batched twin
 
     @property
     def num_batch(self) -> int:
@@ -141,15 +144,18 @@ def ffi_call(
     result_types: Sequence[jax.ShapeDtypeStruct],
     operands: Sequence[jax.Array],
     attrs: dict[str, Any],
+    kernel: Any = None,
 ) -> list[jax.Array]:
     """``jax.ffi.ffi_call(target, result_types, vmap_method="expand_dims")(*operands, **attrs)``, as a
     primitive that shards its ``vmap`` batch dimensions under ``jax.jit`` and types its outputs under
-    ``shard_map``."""
+    ``shard_map``. With ``kernel`` (the call's KernelSignature), a batch launches once, through the kernel's
+    batched twin (``_batched.py``)."""
     spec = _CallSpec(
         target,
         tuple(tuple(int(d) for d in t.shape) for t in result_types),
         tuple(np.dtype(t.dtype).str for t in result_types),
         tuple((name, _freeze(value)) for name, value in sorted(attrs.items())),
+        kernel=kernel,
     )
     if _UNAVAILABLE is not None or not operands:  # nothing to shard without operands
         if _UNAVAILABLE is not None:
@@ -173,11 +179,15 @@ def _warn_unavailable() -> None:
 # The primitive.
 
 
-def _plain_call(spec: _CallSpec, *operands):
+def _plain_call(spec: _CallSpec, *operands, platforms=None):
     """The Warp FFI call itself, on whatever (local) shapes the operands have."""
     batch = _batch_shape(spec, operands)
+    attrs = spec.ffi_attrs()
+    if spec.kernel is not None:  # one launch for the whole batch (or a CPU launch split across threads)
+        operands, extra = _batched.prepare_call(spec.kernel, batch, list(operands), attrs, platforms)
+        attrs.update(extra)
     call = jax.ffi.ffi_call(spec.target, spec.result_types(batch), vmap_method="expand_dims")
-    return list(call(*operands, **spec.ffi_attrs()))
+    return list(call(*operands, **attrs))
 
 
 def _batch_shape(spec: _CallSpec, operands) -> tuple[int, ...]:
@@ -302,7 +312,7 @@ def _lowering(ctx, *operands, spec: _CallSpec):
         )
         fn = lambda *ops: _partitioned()(layout, *ops)  # noqa: E731
     else:
-        fn = functools.partial(_plain_call, spec)
+        fn = functools.partial(_plain_call, spec, platforms=tuple(ctx.module_context.platforms))
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
