@@ -13,11 +13,9 @@ element::
         warpnn_bl, warpnn_r0 = wp.tid()
         warpnn_b = warpnn_bl + warpnn_first_batch
         warpnn_t0 = warpnn_r0 + warpnn_first_row
-        x = x__warpnn_b[warpnn_b]                 # the element's 1-D view; adjoints flow through views
-        pairs = pairs__warpnn_b[warpnn_b]
-        ...
         s = warpnn_t0                             # was: s = wp.tid()
-        <the original body, unchanged>
+        d = x__warpnn_b[warpnn_b, pairs__warpnn_b[warpnn_b, s, 1]] - ...   # every array indexed by element first
+        wp.atomic_add(f__warpnn_b, warpnn_b, pairs__warpnn_b[warpnn_b, s, 0], k__warpnn_b[warpnn_b, s] * d)
 
 Every array parameter gains the leading batch dim. The launcher passes a *shared* (unbatched) argument with
 batch stride 0, so it is never copied, and each element still sees only its own arrays: gathers, scatters and
@@ -30,10 +28,14 @@ launch across threads (``warpnn_ffi.c``). The twin lives in a Warp module of its
 kernel's module would rebuild and unload the code already loaded), with the original module's options and
 ``-O3`` on the CPU unless the module chose a level (bitwise the same results: no fast-math).
 
+Arrays are indexed directly, not through views of the element (``x = x__warpnn_b[b]``): Warp reaches a
+view's adjoint through the view's ``grad`` pointer, with the primal's strides, and zeroes it after the adjoint
+of a store, which would write into XLA's cotangent buffers.
+
 Kernels the transformation cannot express keep the per-element launch, with one warning naming the kernel
 and the reason (see :func:`twin_of`): ``wp.tid()`` used other than called with no arguments in the kernel's
-own body, 4-D arrays or launches (Warp allows 4 dims), tile or cooperative-block kernels, generic kernels,
-and kernels without source.
+own body, arrays used other than element by element (passed to a ``wp.func``, row views, slices), 4-D arrays
+or launches (Warp allows 4 dims), tile or cooperative-block kernels, generic kernels, kernels without source.
 """
 
 from __future__ import annotations
@@ -173,6 +175,59 @@ class _TidReplacer(ast.NodeTransformer):
         return node
 
 
+_ATOMICS = ("atomic_add", "atomic_sub", "atomic_min", "atomic_max")
+
+
+class _ArrayRewriter(ast.NodeTransformer):
+    """Index every array parameter with the batch element first: ``x[i]`` -> ``x__warpnn_b[warpnn_b, i]``,
+    ``wp.atomic_add(f, j, v)`` -> ``wp.atomic_add(f__warpnn_b, warpnn_b, j, v)``, ``x.shape[k]`` ->
+    ``x__warpnn_b.shape[k + 1]``. No views: Warp reaches a view's adjoint through its ``grad`` pointer (and zeroes
+    it after stores), while a direct index uses the adjoint arrays the launcher passes. Any other use of an
+    array (passing it to a function, partial indexing, slicing) is refused."""
+
+    def __init__(self, ndims: dict[str, int]):
+        self.ndims = ndims
+
+    def _batched(self, name: str) -> ast.Name:
+        return ast.Name(id=f"{name}{_ARRAY_SUFFIX}", ctx=ast.Load())
+
+    def _b(self) -> ast.Name:
+        return ast.Name(id=f"{BATCH_PREFIX}b", ctx=ast.Load())
+
+    def visit_Subscript(self, node: ast.Subscript):
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in self.ndims:
+            index = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if len(index) != self.ndims[value.id] or any(isinstance(i, ast.Slice) for i in index):
+                raise _Refused(f"it indexes its array '{value.id}' other than element by element")
+            index = [self.visit(i) for i in index]
+            new = ast.Subscript(value=self._batched(value.id), slice=ast.Tuple(elts=[self._b(), *index], ctx=ast.Load()), ctx=node.ctx)
+            return ast.copy_location(new, node)
+        if (isinstance(value, ast.Attribute) and value.attr == "shape" and isinstance(value.value, ast.Name)
+                and value.value.id in self.ndims):
+            if not (isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int) and node.slice.value >= 0):
+                raise _Refused(f"it reads '{value.value.id}.shape' other than at a constant index")
+            shape = ast.Attribute(value=self._batched(value.value.id), attr="shape", ctx=ast.Load())
+            return ast.copy_location(ast.Subscript(value=shape, slice=ast.Constant(node.slice.value + 1), ctx=ast.Load()), node)
+        return self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if name in _ATOMICS and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in self.ndims:
+            array = node.args[0].id
+            rest = [self.visit(a) for a in node.args[1:]]
+            if len(rest) != self.ndims[array] + 1 or node.keywords:
+                raise _Refused(f"it calls {name} on '{array}' other than with one index per dim and a value")
+            node.args = [self._batched(array), self._b(), *rest]
+            return node
+        return self.generic_visit(node)
+
+    def visit_Name(self, node: ast.Name):
+        if node.id in self.ndims:
+            raise _Refused(f"it uses its array '{node.id}' other than by indexing it (e.g. passes it to a function)")
+        return node
+
+
 def _check_no_block_builtins(tree: ast.AST) -> None:
     for node in ast.walk(tree):
         name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
@@ -222,6 +277,8 @@ def _make_twin(kernel) -> Twin:
         raise _Refused("an argument name collides with the transformation's names")
 
     body = [_TidReplacer(kernel_dim).visit(stmt) for stmt in fn.body]
+    rewriter = _ArrayRewriter({n: arg_types[n].ndim for n in arrays})
+    body = [[rewriter.visit(x) for x in stmt] if isinstance(stmt, list) else rewriter.visit(stmt) for stmt in body]
     flat_body: list[ast.stmt] = []
     for stmt in body:
         flat_body.extend(stmt if isinstance(stmt, list) else [stmt])
@@ -231,7 +288,6 @@ def _make_twin(kernel) -> Twin:
         f"{BATCH_PREFIX}bl, {coords} = {BATCH_PREFIX}wp.tid()",
         f"{BATCH_PREFIX}b = {BATCH_PREFIX}bl + {FIRST_BATCH}",
         f"{BATCH_PREFIX}t0 = {BATCH_PREFIX}r0 + {FIRST_ROW}",
-        *(f"{n} = {n}{_ARRAY_SUFFIX}[{BATCH_PREFIX}b]" for n in arrays),
     ]
     new_params = [f"{n}{_ARRAY_SUFFIX}" if n in arrays else n for n in params] + [FIRST_BATCH, FIRST_ROW]
     name = f"{fn.name}__warpnn_batched"
@@ -327,7 +383,7 @@ def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: di
     """
     from ._launch import LAUNCHER  # the launcher resolves lazily; imported here to keep import order simple
 
-    sig, adjoint = kernel
+    sig, _adjoint = kernel
 
     num_batch = 1
     for n in batch_shape:
@@ -355,19 +411,7 @@ def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: di
         return operands, {}
     if batched:
         operands = [_flat_batch(op, batch_shape) for op in operands]
-        if adjoint:  # the twin reaches an adjoint through its array's grad pointer: lay both out alike
-            with_adjoint = {s.name for s in sig.adjoint_inputs}
-            full = [s.name in with_adjoint for s in sig.array_inputs] + [True] * (len(operands) - len(sig.array_inputs))
-            operands = [_full_batch(op, batch_shape) if f else op for op, f in zip(operands, full)]
     return operands, {TWIN_ATTR: np.int64(1)}
-
-
-def _full_batch(op, batch_shape):
-    import jax.numpy as jnp
-
-    if tuple(op.shape[: len(batch_shape)]) == tuple(batch_shape):
-        return op
-    return jnp.broadcast_to(op, (*batch_shape, *op.shape[len(batch_shape):]))
 
 
 def _flat_batch(op, batch_shape):

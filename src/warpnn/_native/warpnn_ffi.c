@@ -833,12 +833,6 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
         a.shape[0] = a.data ? (int32_t)num_batch : 0;
         a.strides[0] = (int32_t)flat;
         a.ndim = (uint16_t)(p[P_WARP_NDIM] + 1);
-        if (mode && !slot->adjoint && p[P_GRAD_SRC] != 0) /* the adjoint, reached through the view's grad */
-            for (int32_t k = 0; k < num_arrays; ++k)
-                if (arrays[k].field == adj_struct + p[P_OFFSET]) {
-                    uint64_t grad = (uint64_t)(uintptr_t)arrays[k].base;
-                    memcpy(&a.grad, &grad, sizeof(grad));
-                }
         memcpy(field, &a, sizeof(a));
     }
     int32_t zero = 0;
@@ -1343,19 +1337,6 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         int flat = tfn != NULL && (!cuda || te->context == entry->context);
         for (int32_t k = 0; flat && k < num_arrays; ++k)
             flat = arrays[k].flat_stride >= 0 && (uint64_t)arrays[k].flat_stride * (uint64_t)num_batch <= INT32_MAX;
-        /* Adjoint: the twin reaches every array through a view of its batch element, and Warp accumulates a view's
-         * adjoint through the primal array_t's `grad` pointer with the primal's strides, so an array and its
-         * adjoint must be laid out alike (the bridge broadcasts shared differentiated operands to the full batch) */
-        for (int32_t i = 0; flat && mode && i < d->num_params; ++i) {
-            const int64_t* p = d->params + (size_t)i * P_NCOLS;
-            if (!p[P_IS_ARRAY] || p[P_GRAD_SRC] == 0) continue;
-            const ArraySlot *primal = NULL, *adjoint = NULL;
-            for (int32_t k = 0; k < num_arrays; ++k) {
-                if (arrays[k].field == args_struct + p[P_OFFSET]) primal = &arrays[k];
-                if (arrays[k].field == adj_struct + p[P_OFFSET]) adjoint = &arrays[k];
-            }
-            flat = primal && adjoint && primal->flat_stride == adjoint->flat_stride;
-        }
         if (flat) {
             error = launch_twin(api, d, twin, te, tfn, mode, cuda, ordinal, stream, driver, dims_attr, num_batch,
                                 frame, args_struct, adj_struct, args_bytes, arrays, num_arrays);
