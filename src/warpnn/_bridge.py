@@ -13,7 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+import warp as wp
+
 from . import _sharding
+from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
 
@@ -39,6 +42,38 @@ OUTPUT_READ_MESSAGE = (
 )
 
 
+VMAP_METHODS = (None, "sequential", "sequential_unrolled", "broadcast_all", "expand_dims", "legacy_vectorized")
+
+FORWARD_ONLY_MESSAGE = (
+    "Kernel '{key}' was wrapped with enable_backward=False, so warpnn built no adjoint for it and it cannot be "
+    "differentiated. Wrap it with warpnn.jax_kernel(..., enable_backward=True) (warpnn's default), or keep its "
+    "inputs out of the gradient with jax.lax.stop_gradient."
+)
+
+IN_PLACE_MESSAGE = (
+    "Kernel '{key}' cannot be differentiated: Warp's adjoint replays the kernel against the values its arrays "
+    "had before the launch, which is only right if no thread reads a value written in the same launch. "
+    "{problems}. The forward pass works as it is. To differentiate, read the old values and write the new ones "
+    "at the thread's own wp.tid() element, reading before writing (`y[i] = f(y[i], ...)`), accumulate with "
+    "`out[i] += value` / wp.atomic_add, or write the results to a separate output array."
+)
+
+INPUT_WRITE_MESSAGE = (
+    "Kernel '{key}' writes its input array '{name}' ({where}). Inputs are buffers XLA owns (the caller's arrays, "
+    "constants baked into the executable, values other operations still read), so warpnn never lets a kernel "
+    "write one. Fix: declare it in-out, warpnn.jax_kernel({key}, num_outputs=..., in_out_argnames=['{name}']) "
+    "(the kernel then gets its own copy and the call returns its new values first, and num_outputs counts it), "
+    "or write to an output array instead."
+)
+
+UNDECIDED_INPUT_MESSAGE = (
+    "Kernel '{key}': warpnn cannot tell whether the kernel writes its input array '{name}': {reason}. Inputs are "
+    "buffers XLA owns, so warpnn refuses rather than risk a write into one. Fix: declare it in-out, "
+    "warpnn.jax_kernel({key}, num_outputs=..., in_out_argnames=['{name}']), which hands the kernel its own copy "
+    "(and returns it, counted by num_outputs)."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class _CallPlan:
     """Everything static about one call: hashable, so it can be a custom_vjp nondiff argument."""
@@ -46,7 +81,9 @@ class _CallPlan:
     sig: KernelSignature
     scalars: tuple[tuple[str, Any], ...]
     launch_dims: tuple[int, ...]
-    output_shapes: tuple[tuple[int, ...], ...]
+    output_shapes: tuple[tuple[int, ...], ...]  # pure outputs; in-out results take their operand's shape
+    has_side_effect: bool = False
+    differentiable: bool = True
 
     def attrs(self) -> dict[str, Any]:
         attrs = {LAUNCH_DIMS_ATTR: np.asarray(self.launch_dims, dtype=np.int64), **LAUNCHER.extra_attrs(self.sig)}
@@ -63,69 +100,113 @@ class _CallPlan:
 class WarpKernel:
     """A Warp kernel callable from JAX, differentiable in reverse mode. Create with :func:`jax_kernel`."""
 
-    def __init__(self, kernel, num_outputs: int = 1, launch_dims: Dims | None = None, output_dims: OutputDims | None = None):
-        self.signature = signature_of(kernel, num_outputs)
+    def __init__(
+        self,
+        kernel,
+        num_outputs: int = 1,
+        vmap_method: str | None = None,
+        launch_dims: Dims | None = None,
+        output_dims: OutputDims | None = None,
+        in_out_argnames: Sequence[str] | None = None,
+        module_preload_mode=None,
+        enable_backward: bool | None = None,
+        has_side_effect: bool = False,
+        block_dim: int | None = None,
+    ):
+        block_dim = _check_block_dim(block_dim)
+        self.signature = signature_of(kernel, num_outputs, tuple(in_out_argnames or ()), block_dim)
         self.kernel = kernel
         self.num_outputs = num_outputs
+        self.vmap_method = _check_vmap_method(vmap_method, self.signature)
+        self.in_out_argnames = self.signature.in_out_names
+        self.module_preload_mode = module_preload_mode
+        self.enable_backward = True if enable_backward is None else bool(enable_backward)
+        self.has_side_effect = bool(has_side_effect)
+        self.block_dim = block_dim
         self.launch_dims = None if launch_dims is None else _normalize_dims(launch_dims, "launch_dims", self.signature)
         self.output_dims = output_dims
+        _check_writes(self.signature)
         if output_dims is not None:  # fail now, not at the first call
             _resolve_output_shapes(self.signature, output_dims, self.launch_dims or (1,))
 
     def __repr__(self) -> str:
         sig = self.signature
-        return f"warpnn.jax_kernel({sig.key}: inputs {list(sig.input_names)} -> outputs {list(sig.output_names)})"
+        return f"warpnn.jax_kernel({sig.key}: inputs {list(sig.input_names)} -> results {list(sig.result_names)})"
 
-    def __call__(self, *args, launch_dims: Dims | None = None, output_dims: OutputDims | None = None) -> tuple[jax.Array, ...]:
+    def __call__(self, *args, launch_dims: Dims | None = None, output_dims: OutputDims | None = None,
+                 vmap_method: str | None = None) -> tuple[jax.Array, ...]:
         """Launch the kernel.
 
         Args:
-            *args: the kernel's inputs in signature order: arrays as JAX (or NumPy) arrays whose dtype and
-                rank match the Warp type (a ``wp.array(dtype=wp.vec3)`` is an ``(n, 3)`` array), scalars as
-                static Python numbers.
+            *args: the kernel's inputs in signature order (in-out arrays included): arrays as JAX (or NumPy)
+                arrays whose dtype and rank match the Warp type (a ``wp.array(dtype=wp.vec3)`` is an ``(n, 3)``
+                array), or ``None`` for an array the kernel treats as optional (Warp gets a null array);
+                scalars as static Python numbers.
             launch_dims: overrides the constructor's; default: the Warp shape of the first array input.
             output_dims: overrides the constructor's; an int, a tuple, or a dict keyed by output name,
-                in Warp dims (``(n,)`` for a vec3 array) or full JAX dims (``(n, 3)``). Default: ``launch_dims``.
+                in Warp dims (``(n,)`` for a vec3 array) or full JAX dims (``(n, 3)``). Default: ``launch_dims`` (for an output of another rank: the shape of the first array input of its rank).
+            vmap_method: overrides the constructor's (see :func:`jax_kernel`).
 
         Returns:
-            A tuple with one array per output argument, zero-initialised before the kernel ran.
+            A tuple with the new values of the in-out arrays, then one array per output argument (outputs
+            zero-initialised before the kernel ran).
         """
         sig = self.signature
-        arrays, scalars = _check_inputs(sig, args)
+        _check_vmap_method(vmap_method, sig)
+        arrays, scalars, nulls = _check_inputs(sig, args)
+        call_sig = sig.variant(null_inputs=nulls)
         dims = launch_dims if launch_dims is not None else self.launch_dims
         if dims is None:
-            first = next((i for i, s in enumerate(sig.inputs) if s.is_array), None)
+            first = next((i for i, s in enumerate(sig.inputs) if s.is_array and args[i] is not None), None)
             if first is None:
                 raise ValueError(
                     f"Kernel '{sig.key}' has no array input to take its launch dims from: pass launch_dims=..."
                 )
             dims = tuple(np.shape(args[first])[: sig.inputs[first].warp_ndim])
         dims = _normalize_dims(dims, "launch_dims", sig)
+        wc.validate_launch_bounds(dims, sig.kernel, self.block_dim)
         out_dims = output_dims if output_dims is not None else self.output_dims
-        out_shapes = _resolve_output_shapes(sig, dims if out_dims is None else out_dims, dims)
-        plan = _CallPlan(sig, scalars, dims, out_shapes)
+        if out_dims is None:
+            out_dims = _default_output_dims(sig, dims, args)
+        out_shapes = _resolve_output_shapes(sig, out_dims, dims)
+        _check_launch_fits(sig, dims, {s.name: a.shape for s, a in zip(call_sig.array_inputs, arrays)},
+                           dict(zip(sig.output_names, out_shapes)))
+        _check_platform(sig)
+        _preload(sig, self.module_preload_mode)
+        plan = _CallPlan(call_sig, scalars, dims, out_shapes, self.has_side_effect, self.enable_backward)
         # Under shard_map, every operand must vary over the same mesh axes before the custom VJP, so that the
         # adjoint of a replicated parameter is psum-ed by JAX's transpose of pvary (a no-op elsewhere).
         return tuple(_differentiable_call(plan, *_sharding.match_vma(arrays)))
 
 
+_WRAPPERS: dict[tuple, WarpKernel] = {}
+
+
 def jax_kernel(
     kernel,
     num_outputs: int = 1,
+    vmap_method: str | None = None,
     launch_dims: Dims | None = None,
     output_dims: OutputDims | None = None,
+    in_out_argnames: Sequence[str] | None = None,
+    module_preload_mode=None,
+    enable_backward: bool | None = None,
+    has_side_effect: bool = False,
+    block_dim: int | None = None,
 ) -> WarpKernel:
     """Wrap a Warp kernel as a JAX function that ``jit``, ``grad``, ``vmap`` and ``lax.scan`` understand.
 
-    Same calling convention as ``wp.jax_kernel``: kernel inputs first, ``num_outputs`` output arrays last
-    in the signature; call the result with the inputs, get a tuple of outputs.
+    Warp 1.19's ``wp.jax_kernel`` parameters, in Warp's order and with Warp's meaning, so switching is one
+    import: kernel inputs first, ``num_outputs`` results last in the signature (in-out arrays included); call
+    the result with the inputs, get a tuple of results. The same arguments return the same wrapper.
 
-    Unlike ``wp.jax_kernel`` it is always differentiable (reverse mode, through Warp's adjoint kernels,
-    with respect to every float array input; the adjoint launch computes only those JAX differentiates in
-    the call, so constant inputs cost nothing backward), zeroes outputs before launching (so
-    ``wp.atomic_add`` accumulators are right), honours ``launch_dims`` / ``output_dims`` per output, and
-    under ``vmap`` launches the kernel per batch element, which keeps kernels whose threads touch other
-    elements (gathers, scatters) correct.
+    Unlike ``wp.jax_kernel`` it is differentiable by default (reverse mode, through Warp's adjoint kernels,
+    with respect to every float array input and in-out array; the adjoint launch computes only those JAX
+    differentiates in the call, so constant inputs cost nothing backward), zeroes outputs before launching
+    (so ``wp.atomic_add`` accumulators are right), honours ``launch_dims`` / ``output_dims`` per output and
+    per call, never lets a kernel write an array it did not declare in-out, and under ``vmap`` launches the
+    kernel per batch element, which keeps kernels whose threads touch other elements (gathers, scatters)
+    correct.
 
     Example::
 
@@ -140,30 +221,161 @@ def jax_kernel(
 
     Args:
         kernel: a ``@wp.kernel`` function.
-        num_outputs: how many trailing kernel arguments are outputs.
+        num_outputs: how many trailing kernel arguments are results, in-out arrays included.
+        vmap_method: how the call batches under ``jax.vmap``; any of Warp's names (``"broadcast_all"``,
+            ``"sequential"``, ``"sequential_unrolled"``, ``"expand_dims"``, ``"legacy_vectorized"``) or None.
+            Every method gives per-element results: warpnn launches the kernel once per batch element with
+            batched and shared arguments mixed freely, which is what ``"sequential"`` means and what the others
+            mean for every kernel where Warp's folded launch is right (it is wrong for gathers and scatters).
+            Also per call.
         launch_dims: default launch dims (1-4 ints); default: the Warp shape of the first array input.
         output_dims: default output dims; an int, a tuple, or a dict keyed by output argument name.
+        in_out_argnames: array inputs the kernel reads and writes (e.g. ``y[i] = y[i] + a * x[i]``): the
+            kernel updates its own copy (aliased to the result where XLA can), and the call returns the new
+            values before the outputs. Differentiable where the kernel reads each element before writing it
+            at its own ``wp.tid()`` index, or only accumulates into it; otherwise differentiating is a clear
+            error. Any other array input that the kernel writes is an error at construction.
+        module_preload_mode: a ``wp.JaxModulePreloadMode``: ``CURRENT_DEVICE`` (default) loads the Warp module
+            on the devices the call is traced for, ``ALL_DEVICES`` on every device JAX and Warp share too,
+            ``NONE`` defers loading to the launcher (which still loads before the first execution).
+        enable_backward: ``True`` (default; Warp's default is False) builds the adjoint; ``False``: forward
+            only, differentiating is an error.
+        has_side_effect: keep the call even when its results are unused.
+        block_dim: threads per block, for tile kernels (launch over the tile grid times ``block_dim``, as
+            ``wp.launch`` with ``block_dim``); default: 256 on CUDA, 1 on the CPU. On the CPU values above one
+            are honoured when ``wp.config.enable_cpu_blocks`` is True.
     """
-    return WarpKernel(kernel, num_outputs, launch_dims, output_dims)
+    key = (
+        kernel, num_outputs, vmap_method, _hashable(launch_dims), _hashable(output_dims),
+        tuple(in_out_argnames) if in_out_argnames else None, module_preload_mode,
+        True if enable_backward is None else bool(enable_backward), bool(has_side_effect), block_dim,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        key = None
+    wrapper = _WRAPPERS.get(key) if key is not None else None
+    if wrapper is None or wrapper.kernel is not kernel:
+        wrapper = WarpKernel(kernel, num_outputs, vmap_method, launch_dims, output_dims, in_out_argnames,
+                             module_preload_mode, enable_backward, has_side_effect, block_dim)
+        if key is not None:
+            _WRAPPERS[key] = wrapper
+    return wrapper
+
+
+def _hashable(value):
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _check_block_dim(block_dim):
+    if block_dim is None:
+        return None
+    if isinstance(block_dim, bool) or not isinstance(block_dim, (int, np.integer)):
+        raise TypeError(f"jax_kernel(): block_dim must be an integer or None, got {block_dim!r}.")
+    if block_dim <= 0:
+        raise ValueError(f"jax_kernel(): block_dim must be positive, got {block_dim}.")
+    return int(block_dim)
+
+
+def _check_vmap_method(vmap_method, sig: KernelSignature):
+    if vmap_method not in VMAP_METHODS:
+        raise ValueError(
+            f"Kernel '{sig.key}': vmap_method={vmap_method!r} is not one of {list(VMAP_METHODS)}. (Every method "
+            "gives per-element results in warpnn; None is the default.)"
+        )
+    return vmap_method
+
+
+def _check_writes(sig: KernelSignature) -> None:
+    for name in sig.written_inputs:
+        use = sig.uses[name]
+        if use.undecided is not None:
+            raise TypeError(UNDECIDED_INPUT_MESSAGE.format(key=sig.key, name=name, reason=use.undecided))
+        write = use.first("store", "accumulate", "read-write")
+        where = f"line {write.line}" + (f", inside @wp.func '{write.via}'" if write.via else "")
+        raise TypeError(INPUT_WRITE_MESSAGE.format(key=sig.key, name=name, where=where))
+
+
+def _check_launch_fits(sig: KernelSignature, dims, input_shapes: Mapping[str, tuple], output_shapes: Mapping[str, tuple]):
+    """Launch dims larger than an array the kernel provably indexes at ``wp.tid()`` would access it out of range.
+
+    Provable: an unconditional access at the thread's own coordinates, in a kernel with no ``return`` (which
+    could guard it), whose array rank equals the launch rank.
+    """
+    if sig.kernel_has_return:
+        return
+    for name, shape in (*input_shapes.items(), *output_shapes.items()):
+        spec = next(s for s in (*sig.inputs, *sig.outputs) if s.name == name)
+        if spec.warp_ndim != len(dims):
+            continue
+        access = next((a for a in sig.uses[name].accesses if a.own_element and a.top_level), None)
+        warp_shape = tuple(shape[: spec.warp_ndim])
+        if access is not None and any(d > n for d, n in zip(dims, warp_shape)):
+            role = "output" if name in output_shapes else "input"
+            fix = ("pass output_dims covering the launch" if role == "output"
+                   else "pass launch_dims no larger than the array, or guard the access with `if i < a.shape[0]:`")
+            raise ValueError(
+                f"Kernel '{sig.key}': launch_dims={tuple(dims)} exceed the Warp shape {warp_shape} of {role} '{name}', "
+                f"which line {access.line} accesses at the thread's own wp.tid() index on every thread: threads "
+                f"beyond its shape would {'write' if access.kind != 'read' else 'read'} out of range. Fix: {fix}."
+            )
+
+
+def _check_platform(sig: KernelSignature) -> None:
+    if jax.default_backend() == "cpu" and not wp.is_cpu_available():
+        raise RuntimeError(
+            f"Kernel '{sig.key}': JAX computes on the CPU, but this Warp build does not include CPU support (its CPU "
+            "compiler library is missing). Install a warp-lang wheel with CPU support, or run the call on a GPU "
+            "(jax.default_device)."
+        )
+
+
+def _preload(sig: KernelSignature, mode) -> None:
+    """Warp's module preload modes; the launchers always load on the devices a call is traced for."""
+    if mode is None or getattr(mode, "name", mode) in ("CURRENT_DEVICE", "NONE"):
+        return
+    if getattr(mode, "name", mode) != "ALL_DEVICES":
+        raise ValueError(f"Kernel '{sig.key}': module_preload_mode={mode!r} is not a wp.JaxModulePreloadMode.")
+    for backend in ("cpu", "gpu"):
+        try:
+            devices = jax.local_devices(backend=backend)
+        except RuntimeError:
+            continue
+        for device in devices:
+            try:
+                warp_device = wp.device_from_jax(device)
+            except (IndexError, RuntimeError):
+                continue
+            sig.kernel.module.load(warp_device, wc.resolve_block_dim(warp_device, sig.block_dim))
 
 
 # --------------------------------------------------------------------------------------------------
 # Input checking: every mistake is reported at trace time, naming the argument and the fix.
 
 
-def _check_inputs(sig: KernelSignature, args: tuple) -> tuple[list[jax.Array], tuple[tuple[str, Any], ...]]:
+def _check_inputs(sig: KernelSignature, args: tuple):
+    """The operands (array inputs that are not None), the static scalars, and the names of None inputs."""
     if len(args) != len(sig.inputs):
         raise TypeError(
             f"Kernel '{sig.key}' takes {len(sig.inputs)} inputs {list(sig.input_names)} (its outputs "
             f"{list(sig.output_names)} are returned, not passed), but was called with {len(args)}."
         )
-    arrays, scalars = [], []
+    arrays, scalars, nulls = [], [], []
     for spec, value in zip(sig.inputs, args):
         if spec.is_array:
+            if value is None:
+                if spec.name in sig.in_out_names:
+                    raise TypeError(f"Kernel '{sig.key}': in-out argument '{spec.name}' cannot be None: the call returns its new values.")
+                nulls.append(spec.name)
+                continue
             arrays.append(_check_array(sig, spec, value))
         else:
             scalars.append((spec.name, _check_scalar(sig, spec, value)))
-    return arrays, tuple(scalars)
+    return arrays, tuple(scalars), frozenset(nulls)
 
 
 def _check_array(sig: KernelSignature, spec: ArgSpec, value) -> jax.Array:
@@ -235,6 +447,27 @@ def _normalize_dims(dims, what: str, sig: KernelSignature) -> tuple[int, ...]:
     return dims
 
 
+def _default_output_dims(sig: KernelSignature, launch_dims, args) -> dict[str, tuple[int, ...]]:
+    """Each output's default Warp shape: the launch dims, or, for an output of another rank (a 3-D launch over a
+    4-D array that the kernel loops over, say), the Warp shape of the first array input of the output's rank
+    (``wp.jax_kernel``'s rule with ``enable_backward=True``)."""
+    dims = {}
+    for spec in sig.outputs:
+        if spec.warp_ndim == len(launch_dims):
+            dims[spec.name] = tuple(launch_dims)
+            continue
+        same_rank = next((np.shape(a)[: s.warp_ndim] for s, a in zip(sig.inputs, args)
+                          if s.is_array and a is not None and s.warp_ndim == spec.warp_ndim), None)
+        if same_rank is None:
+            raise ValueError(
+                f"Kernel '{sig.key}': output '{spec.name}' has {spec.warp_ndim} Warp dims but the launch "
+                f"{tuple(launch_dims)} has {len(launch_dims)}, and no array input has its rank to take its shape "
+                f"from. Pass output_dims={{'{spec.name}': (...)}}."
+            )
+        dims[spec.name] = tuple(same_rank)
+    return dims
+
+
 def _resolve_output_shapes(sig: KernelSignature, output_dims: OutputDims, launch_dims) -> tuple[tuple[int, ...], ...]:
     if isinstance(output_dims, Mapping):
         unknown = set(output_dims) - set(sig.output_names)
@@ -269,18 +502,36 @@ def _output_shape(sig: KernelSignature, spec: ArgSpec, dims) -> tuple[int, ...]:
 
 
 def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
-    fwd_target, adj_target = LAUNCHER.targets(plan.sig)
+    """The forward or adjoint FFI call of ``plan`` (buffer order: see ``_native/warpnn_ffi.c``).
+
+    forward: operands = array inputs; results = in-out arrays (aliased to their operand), outputs.
+    adjoint: operands = array inputs (values before the launch), primal outputs, cotangents of float results;
+             results = adjoints of ``sig.adjoint_inputs`` (zeroed), then ``sig.carried_adjoints`` (aliased to
+             their cotangent operand and updated in place).
+    """
+    sig = plan.sig
+    fwd_target, adj_target = LAUNCHER.targets(sig)
+    shapes = {s.name: op.shape for s, op in zip(sig.array_inputs, operands)}
     if adjoint:
-        shapes = {s.name: op.shape for s, op in zip(plan.sig.array_inputs, operands)}
-        specs, shapes = plan.sig.adjoint_inputs, [shapes[s.name] for s in plan.sig.adjoint_inputs]
+        n_in, n_out = len(sig.array_inputs), len(sig.outputs)
+        cts = dict(zip((s.name for s in sig.float_results), operands[n_in + n_out :]))
+        specs = (*sig.adjoint_inputs, *sig.carried_adjoints)
+        result_shapes = [shapes[s.name] for s in sig.adjoint_inputs] + [cts[s.name].shape for s in sig.carried_adjoints]
+        ct_index = {s.name: n_in + n_out + k for k, s in enumerate(sig.float_results)}
+        aliases = {ct_index[s.name]: len(sig.adjoint_inputs) + m for m, s in enumerate(sig.carried_adjoints)}
     else:
-        specs, shapes = plan.sig.outputs, plan.output_shapes
-    out_types = [jax.ShapeDtypeStruct(shape, spec.dtype) for shape, spec in zip(shapes, specs)]
+        specs = sig.results
+        result_shapes = [shapes[s.name] for s in sig.in_out] + list(plan.output_shapes)
+        operand_index = {s.name: k for k, s in enumerate(sig.array_inputs)}
+        aliases = {operand_index[s.name]: r for r, s in enumerate(sig.in_out)}
+    out_types = [jax.ShapeDtypeStruct(shape, spec.dtype) for shape, spec in zip(result_shapes, specs)]
     # jax.ffi.ffi_call with vmap_method="expand_dims" (under vmap every operand gets a leading batch dim,
     # size 1 when unbatched, and the launcher launches per batch element instead of folding the batch into
     # Warp's dims), wrapped in a primitive that keeps a sharded vmap batch sharded under jax.jit (each
     # device launches its own batch elements) and types outputs under shard_map: see _sharding.py.
-    results = _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, _fence(operands), plan.attrs(), kernel=(plan.sig, adjoint))
+    results = _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, _fence(operands), plan.attrs(),
+                                 aliases=aliases, has_side_effect=plan.has_side_effect and not adjoint,
+                                 kernel=(plan.sig, adjoint))
     return _fence(results)
 
 
@@ -333,40 +584,52 @@ def _differentiable_call(plan: _CallPlan, *arrays) -> list[jax.Array]:
 def _differentiable_call_fwd(plan, *primals):
     # symbolic_zeros=True: each primal says whether JAX differentiates with respect to it in this call.
     arrays = tuple(p.value for p in primals)
-    outputs = _first_order_only(plan, False, *arrays)
-    # Warp's adjoint never touches primal outputs of a kernel that only writes them (see
-    # KernelSignature.outputs_read), so float outputs are not kept: their cotangents stand in, unread.
-    # Integer outputs have no cotangent and are kept to fill their slot.
-    kept = tuple(None if spec.is_float else out for spec, out in zip(plan.sig.outputs, outputs))
+    results = _first_order_only(plan, False, *arrays)
+    # Pure outputs are not kept for the backward pass: Warp's adjoint sees a pure output's values before the
+    # launch (zeros, for an output it reads) or never touches them. Integer outputs have no cotangent and
+    # are kept to fill their slot. The in-out arrays' values before the launch are among `arrays`.
+    n_in_out = len(plan.sig.in_out)
+    kept = tuple(None if spec.is_float else out for spec, out in zip(plan.sig.outputs, results[n_in_out:]))
     # Inputs JAX does not differentiate (constants, stop_gradient, parameters outside the grad) get no
     # adjoint buffer: Warp skips the atomic adds into them, and nothing is zeroed for them.
     constant = frozenset(spec.name for spec, p in zip(plan.sig.array_inputs, primals) if not p.perturbed)
     adjoint_plan = dataclasses.replace(plan, sig=plan.sig.without_adjoints(constant))
-    return outputs, (arrays, kept, _Static(adjoint_plan))
+    return results, (arrays, kept, _Static(adjoint_plan))
 
 
 def _differentiable_call_bwd(plan, residuals, cotangents):
     arrays, kept, adjoint_plan = residuals
     plan = adjoint_plan.value
     sig = plan.sig
-    float_cts = [ct for ct, spec in zip(cotangents, sig.outputs) if spec.is_float]
-    if not sig.adjoint_inputs or all(isinstance(ct, SymbolicZero) for ct in float_cts):
+    cts = dict(zip(sig.result_names, cotangents))
+    float_cts = [cts[s.name] for s in sig.float_results]
+    perturbed = bool(sig.adjoint_inputs) or any(s.is_float for s in sig.in_out)
+    if not perturbed or all(isinstance(ct, SymbolicZero) for ct in float_cts):
         return (None,) * len(sig.array_inputs)  # nothing to differentiate, or a zero cotangent: zero adjoints
-    if sig.outputs_read:
-        raise TypeError(OUTPUT_READ_MESSAGE.format(key=sig.key, names=list(sig.outputs_read)))
+    if not plan.differentiable:
+        raise TypeError(FORWARD_ONLY_MESSAGE.format(key=sig.key))
+    if sig.reverse_problems:
+        problems = "; ".join(f"array '{n}': {why}" for n, why in sig.reverse_problems.items())
+        raise TypeError(IN_PLACE_MESSAGE.format(key=sig.key, problems=problems))
     if not sig.has_adjoint:
         raise TypeError(
             f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "
             "module), so it cannot be differentiated. Remove enable_backward=False, or keep its inputs out of "
             "the gradient with jax.lax.stop_gradient if you only need its forward pass."
         )
-    # Integer outputs have float0 cotangents; Warp gets no adjoint buffer for them. A symbolic-zero cotangent
-    # of one float output among others becomes a zero array: Warp's adjoint reads every output's adjoint.
+    # Integer results have float0 cotangents; Warp gets no adjoint buffer for them. A symbolic-zero cotangent
+    # of one float result among others becomes a zero array: Warp's adjoint reads every result's adjoint.
     float_cts = [jnp.zeros(ct.aval.shape, ct.aval.dtype) if isinstance(ct, SymbolicZero) else ct for ct in float_cts]
-    float_cts_iter = iter(float_cts)
-    outputs = [next(float_cts_iter) if out is None else out for out in kept]
-    adjoints = dict(zip((s.name for s in sig.adjoint_inputs), _first_order_only(plan, True, *arrays, *outputs, *float_cts)))
-    return tuple(adjoints.get(spec.name) for spec in sig.array_inputs)
+    ct_of = dict(zip((s.name for s in sig.float_results), float_cts))
+    carried = {s.name for s in sig.carried_adjoints}
+    # The primal slot of a pure output: its value before the launch where the kernel reads it (zeros: outputs
+    # are zeroed first), else any buffer of its shape (the cotangent; Warp does not read it).
+    outputs = [out if out is not None else (jnp.zeros_like(ct_of[s.name]) if s.name in carried else ct_of[s.name])
+               for s, out in zip(sig.outputs, kept)]
+    adjoints = _first_order_only(plan, True, *arrays, *outputs, *float_cts)
+    by_name = dict(zip((s.name for s in (*sig.adjoint_inputs, *sig.carried_adjoints)), adjoints))
+    constant = sig.constant_inputs
+    return tuple(None if spec.name in constant else by_name.get(spec.name) for spec in sig.array_inputs)
 
 
 _differentiable_call.defvjp(_differentiable_call_fwd, _differentiable_call_bwd, symbolic_zeros=True)

@@ -81,11 +81,12 @@ class _Buffer:
         return [sum(i * s for i, s in zip(idx, strides)) for idx in itertools.product(*map(range, batch_shape))]
 
 
-def _array_desc(buf: _Buffer | None, spec: ArgSpec, offset: int):
-    if buf is None:  # no adjoint for this argument (integer array): Warp skips null adjoint arrays
+def _array_desc(buf: _Buffer | None, spec: ArgSpec, offset: int, grad: _Buffer | None = None, grad_offset: int = 0):
+    if buf is None:  # no buffer (an integer array's adjoint, a None input): Warp skips null arrays
         return wc.array_t()
     strides = wc.strides_from_shape(buf.warp_dims, spec.warp_dtype)
-    return wc.array_t(buf.data + offset, 0, spec.warp_ndim, buf.warp_dims, strides)
+    grad_ptr = grad.data + grad_offset if grad is not None else 0
+    return wc.array_t(buf.data + offset, grad_ptr, spec.warp_ndim, buf.warp_dims, strides)
 
 
 def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):
@@ -98,13 +99,13 @@ class _LoadedKernel:
 
     __slots__ = ("module_exec", "hooks", "block_dim", "_bounds")
 
-    def __init__(self, kernel, device):
+    def __init__(self, kernel, device, block_dim=None):
         # Warp's FFI convention: one thread per block on the CPU (cooperative blocks are far slower
-        # for plain kernels), 256 on CUDA.
-        block_dim = wc.resolve_block_dim(device, None)
+        # for plain kernels; honoured above one with wp.config.enable_cpu_blocks), 256 on CUDA.
+        block_dim = wc.resolve_block_dim(device, block_dim)
         module_exec = kernel.module.load(device, block_dim)
         if module_exec is None:
-            raise RuntimeError(f"Warp could not build module '{kernel.module.name}' for {device}")
+            raise RuntimeError(f"Failed to load Warp module '{kernel.module.name}' on device '{device}' (kernel '{kernel.key}')")
         # Keep the module loaded: if Warp rebuilds it (a kernel added to the same Python module later),
         # dropping this reference would unload the code `hooks` points into.
         self.module_exec = module_exec
@@ -121,15 +122,15 @@ class _LoadedKernel:
         return bounds
 
 
-_LOADED: dict[tuple[int, Any], _LoadedKernel] = {}
+_LOADED: dict[tuple[int, Any, Any], _LoadedKernel] = {}
 
 
-def load_kernel(kernel, device) -> _LoadedKernel:
-    """Load (once per device) the Warp module holding ``kernel``; also used at trace time to preload."""
-    key = (id(kernel), device.context if device.is_cuda else "cpu")
+def load_kernel(kernel, device, block_dim=None) -> _LoadedKernel:
+    """Load (once per device and block dim) the Warp module holding ``kernel``; also used at trace time to preload."""
+    key = (id(kernel), device.context if device.is_cuda else "cpu", block_dim)
     loaded = _LOADED.get(key)
     if loaded is None:
-        loaded = _LOADED[key] = _LoadedKernel(kernel, device)
+        loaded = _LOADED[key] = _LoadedKernel(kernel, device, block_dim)
     return loaded
 
 
@@ -171,7 +172,7 @@ class PythonLauncher:
         first XLA execution does not compile.
         """
         for device in trace_devices():
-            load_kernel(sig.kernel, device)
+            load_kernel(sig.kernel, device, sig.block_dim)
         return {}
 
     def _register(self, name: str, sig: KernelSignature, adjoint: bool) -> None:
@@ -215,22 +216,34 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
     args = ctypes.cast(frame.args.args, ctypes.POINTER(ctypes.POINTER(ffi.XLA_FFI_Buffer)))
     rets = ctypes.cast(frame.rets.rets, ctypes.POINTER(ctypes.POINTER(ffi.XLA_FFI_Buffer)))
 
-    # Buffer order, fixed by _bridge: forward takes the array inputs and returns the outputs;
-    # adjoint takes array inputs, primal outputs, cotangents of float outputs and returns
-    # the adjoints of float array inputs.
+    # Buffer order, fixed by _bridge._ffi_call:
+    #   forward: args = array inputs; rets = in-out arrays (aliased: they hold the inputs' values), outputs
+    #   adjoint: args = array inputs (values before the launch), primal outputs, cotangents of float results;
+    #            rets = adjoints of sig.adjoint_inputs, then sig.carried_adjoints (aliased to their cotangent)
     n_in = len(sig.array_inputs)
     inputs = {s.name: _Buffer(args[i].contents, s) for i, s in enumerate(sig.array_inputs)}
+    launch_dims = tuple(int(d) for d in attrs[LAUNCH_DIMS_ATTR])
+    grads: dict[str, _Buffer] = {}  # primal arrays whose `grad` is their adjoint buffer (carried adjoints)
     if not adjoint:
-        outputs = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(sig.outputs)}
-        launch_dims = tuple(int(d) for d in attrs[LAUNCH_DIMS_ATTR])
-        # An output each thread fully writes over its own shape needs no zeroing (see outputs_fully_written).
-        zeroed = [b for n, b in outputs.items() if not (n in sig.outputs_fully_written and b.warp_dims == launch_dims)]
+        results = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(sig.results)}
+        primal = {**inputs, **results}
+        # An output each thread fully writes over its own shape needs no zeroing (see outputs_fully_written);
+        # in-out arrays start as their inputs.
+        zeroed = [results[s.name] for s in sig.outputs
+                  if not (s.name in sig.outputs_fully_written and results[s.name].warp_dims == launch_dims)]
+        adjoints: dict[str, _Buffer] = {}
+        result_list = list(results.values())
     else:
         outputs = {s.name: _Buffer(args[n_in + i].contents, s) for i, s in enumerate(sig.outputs)}
         base = n_in + len(sig.outputs)
-        adj_outputs = {s.name: _Buffer(args[base + i].contents, s) for i, s in enumerate(sig.float_outputs)}
-        adj_inputs = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(sig.adjoint_inputs)}
-        zeroed = list(adj_inputs.values())
+        cts = {s.name: _Buffer(args[base + i].contents, s) for i, s in enumerate(sig.float_results)}
+        returned = (*sig.adjoint_inputs, *sig.carried_adjoints)
+        adjoints = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(returned)}
+        primal = {**inputs, **outputs}
+        grads = {s.name: adjoints[s.name] for s in sig.carried_adjoints}
+        adjoints = {**cts, **adjoints}  # a result's cotangent, unless its adjoint is carried
+        zeroed = [adjoints[s.name] for s in sig.adjoint_inputs]
+        result_list = [adjoints[s.name] for s in returned]
 
     if platform == "cpu":
         device, stream = wp.get_device("cpu"), None
@@ -239,9 +252,9 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
         device = wp.get_cuda_device(ffi.get_device_ordinal_from_callframe(frame))
         stream = ffi.get_stream_from_callframe(frame)
 
-    loaded = load_kernel(sig.kernel, device)
+    loaded = load_kernel(sig.kernel, device, sig.block_dim)
     hooks, block_dim = loaded.hooks, loaded.block_dim
-    bounds = loaded.bounds(sig.kernel, tuple(int(d) for d in attrs[LAUNCH_DIMS_ATTR]))
+    bounds = loaded.bounds(sig.kernel, launch_dims)
 
     core = wc.runtime().core
     for buf in zeroed:
@@ -252,20 +265,19 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
                 core.wp_memset_device(device.context, buf.data, 0, buf.nbytes, stream)
 
     # Every result carries the full vmap batch (XLA's expand_dims batching), so it defines the batch shape.
-    results = list((adj_inputs if adjoint else outputs).values())
-    batch_shape = results[0].batch_dims if results else ()
-    primal = {**inputs, **outputs}
-    slots = [(primal.get(s.name), s, False) for s in (*sig.inputs, *sig.outputs)]
+    batch_shape = result_list[0].batch_dims if result_list else ()
+    params_specs = (*sig.inputs, *sig.outputs)
+    slots = [(primal.get(s.name), s, False, grads.get(s.name)) for s in params_specs]
     if adjoint:  # Warp's backward entry takes the primal arguments, then one adjoint per argument
-        slots += [(adj_inputs.get(s.name), s, True) for s in sig.inputs]
-        slots += [(adj_outputs.get(s.name), s, True) for s in sig.outputs]
-    slot_offsets = [buf.batch_offsets(batch_shape) if buf is not None else None for buf, _, _ in slots]
+        slots += [(adjoints.get(s.name), s, True, None) for s in params_specs]
+    slot_offsets = [buf.batch_offsets(batch_shape) if buf is not None else None for buf, _, _, _ in slots]
+    grad_offsets = [g.batch_offsets(batch_shape) if g is not None else None for _, _, _, g in slots]
 
     for b in range(math.prod(batch_shape)):
         params = [bounds]
-        for (buf, spec, is_adjoint), offs in zip(slots, slot_offsets):
+        for (buf, spec, is_adjoint, grad), offs, goffs in zip(slots, slot_offsets, grad_offsets):
             if spec.is_array:
-                params.append(_array_desc(buf, spec, offs[b] if offs else 0))
+                params.append(_array_desc(buf, spec, offs[b] if offs else 0, grad, goffs[b] if goffs else 0))
             else:
                 params.append(_scalar_value(spec, attrs, adjoint_slot=is_adjoint))
         _run(sig.kernel, hooks, params, adjoint, device, stream, block_dim, core)

@@ -54,7 +54,7 @@ from ._launch import SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature
 from . import _batched
 
-ABI_VERSION = 2  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
+ABI_VERSION = 3  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
 NATIVE_DIR = Path(__file__).resolve().with_name("_native")
 SOURCE = NATIVE_DIR / "warpnn_ffi.c"
 LIB_ENV = "WARPNN_NATIVE_LIB"
@@ -65,7 +65,7 @@ ADJOINT_TARGET = "warpnn_native_adjoint"
 KERNEL_ID_ATTR = "kernel_id"
 
 # Columns of the parameter table (must match the P_* enum in warpnn_ffi.c).
-_P_NCOLS = 12
+_P_NCOLS = 14
 _KIND_INT, _KIND_UINT, _KIND_FLOAT, _KIND_HALF, _KIND_BOOL, _KIND_BF16 = range(6)
 
 # Warp's array_t as the C side mirrors it: (field, offset); checked against warp's ctypes definition.
@@ -267,31 +267,45 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
     fields = [(s.name, wc.array_t if s.is_array else s.warp_type._type_) for s in params]
     args_struct = type("ArgsStruct", (ctypes.Structure,), {"_fields_": fields})
 
+    # Buffer order (see _bridge._ffi_call): forward args = array inputs, rets = in-out arrays then outputs;
+    # adjoint args = array inputs, primal outputs, cotangents of float results; adjoint rets = adjoints of
+    # adjoint_inputs, then carried adjoints. Sources: k+1 = operand k, -(k+1) = result k, 0 = none (null).
     n_in, n_out = len(sig.array_inputs), len(sig.outputs)
-    array_index = {s.name: k for k, s in enumerate(sig.array_inputs)}
-    adjoint_index = {s.name: m for m, s in enumerate(sig.adjoint_inputs)}  # inputs with an adjoint
-    float_out_index = {s.name: f for f, s in enumerate(sig.float_outputs)}
+    operand = {s.name: k for k, s in enumerate(sig.array_inputs)}
+    result = {s.name: r for r, s in enumerate(sig.results)}
+    cotangent = {s.name: n_in + n_out + f for f, s in enumerate(sig.float_results)}
+    returned = (*sig.adjoint_inputs, *sig.carried_adjoints)
+    adjoint_result = {s.name: m for m, s in enumerate(returned)}
+    carried = {s.name for s in sig.carried_adjoints}
     rows, attr_names = [], []
     for i, s in enumerate(params):
         offset = getattr(args_struct, s.name).offset
         if not s.is_array:
             ctype = s.warp_type._type_
-            rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype), 0])
+            rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype), 0, 0, 0])
             attr_names.append((SCALAR_ATTR_PREFIX + s.name).encode())
             continue
-        # Buffer sources: k+1 = operand k, -(k+1) = result k (see the buffer order in warpnn_ffi.c).
-        if i >= len(sig.inputs):  # output j
-            j = i - len(sig.inputs)
-            fwd, adj = -(j + 1), n_in + j + 1
-            grad = n_in + n_out + float_out_index[s.name] + 1 if s.is_float else 0
+        if s.name in sig.null_inputs:
+            fwd = adj = 0
+        elif s.name in result:  # in-out array or output: the forward result (in-out: aliased to its operand)
+            fwd = -(result[s.name] + 1)
+            adj = operand[s.name] + 1 if s.name in operand else n_in + sig.output_names.index(s.name) + 1
         else:
-            fwd = adj = array_index[s.name] + 1
-            grad = -(adjoint_index[s.name] + 1) if s.name in adjoint_index else 0  # null: no adjoint
+            fwd = adj = operand[s.name] + 1
+        if s.name in adjoint_result:
+            grad = -(adjoint_result[s.name] + 1)
+        elif s.name in cotangent and s.name in sig.output_names:
+            grad = cotangent[s.name] + 1  # Warp reads an output's adjoint: its cotangent, unmodified
+        else:
+            grad = 0  # null: no adjoint (integer, constant or None input)
         inner = int(np.prod(s.inner_shape, dtype=np.int64))
         if s.dtype.itemsize * inner != wc.type_size_in_bytes(s.warp_dtype):
             raise NativeUnavailable(f"kernel '{sig.key}', argument '{s.name}': element size mismatch")
         fully_written = int(s.name in sig.outputs_fully_written)
-        rows.append([1, offset, s.warp_ndim, s.jax_ndim, s.dtype.itemsize, inner, fwd, adj, grad, 0, 0, fully_written])
+        preset = (1 if s.name in sig.in_out_names else 0) | (2 if s.name in carried else 0)
+        grad_alias = int(s.name in carried)
+        rows.append([1, offset, s.warp_ndim, s.jax_ndim, s.dtype.itemsize, inner, fwd, adj, grad, 0, 0,
+                     fully_written, preset, grad_alias])
         attr_names.append(None)
 
     kernel_dim = kernel.adj.kernel_dim
@@ -310,8 +324,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         "bounds_size": ctypes.sizeof(bounds_type),
         "bounds_size_offset": bounds_type.size.offset,
         "bounds_coord_mult_offset": bounds_type.coord_mult.offset,
-        "num_args": (n_in, n_in + n_out + len(sig.float_outputs)),
-        "num_rets": (n_out, len(sig.adjoint_inputs)),
+        "num_args": (n_in, n_in + n_out + len(sig.float_results)),
+        "num_rets": (len(sig.results), len(returned)),
     }
 
 
@@ -419,9 +433,9 @@ class NativeLauncher:
     @staticmethod
     def _load(sig: KernelSignature, device):
         # The same module variant as PythonLauncher (_launch.load_kernel): block_dim 1 on the CPU, 256 on CUDA.
-        module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, None))
+        module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, sig.block_dim))
         if module_exec is None:
-            raise RuntimeError(f"Warp could not build module '{sig.kernel.module.name}' for {device}")
+            raise RuntimeError(f"Failed to load Warp module '{sig.kernel.module.name}' on device '{device}' (kernel '{sig.key}')")
         return module_exec
 
     def _set_entry(self, kid: int, sig: KernelSignature, device) -> None:

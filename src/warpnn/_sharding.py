@@ -105,9 +105,11 @@ class _CallSpec:
 
     target: str
     result_shapes: tuple[tuple[int, ...], ...]
-    result_dtypes: tuple[str, ...]
+    result_dtypes: tuple[np.dtype, ...]  # dtypes, not dtype strings: bfloat16's string is '<V2'
     attrs: tuple[tuple[str, Any], ...]
     batch_shape: tuple[int, ...] = ()
+    aliases: tuple[tuple[int, int], ...] = ()  # (operand, result): the result starts as the operand's buffer
+    has_side_effect: bool = False
     kernel: Any = None  # the KernelSignature (compared by identity): lets the lowering launch its batched twin
 
     @property
@@ -118,7 +120,7 @@ class _CallSpec:
         return {name: _thaw(value) for name, value in self.attrs}
 
     def result_types(self, batch_shape: tuple[int, ...]) -> list[jax.ShapeDtypeStruct]:
-        return [jax.ShapeDtypeStruct((*batch_shape, *shape), np.dtype(dtype))
+        return [jax.ShapeDtypeStruct((*batch_shape, *shape), dtype)
                 for shape, dtype in zip(self.result_shapes, self.result_dtypes)]
 
 
@@ -144,20 +146,26 @@ def ffi_call(
     result_types: Sequence[jax.ShapeDtypeStruct],
     operands: Sequence[jax.Array],
     attrs: dict[str, Any],
+    aliases: dict[int, int] | None = None,
+    has_side_effect: bool = False,
     kernel: Any = None,
 ) -> list[jax.Array]:
-    """``jax.ffi.ffi_call(target, result_types, vmap_method="expand_dims")(*operands, **attrs)``, as a
-    primitive that shards its ``vmap`` batch dimensions under ``jax.jit`` and types its outputs under
-    ``shard_map``. With ``kernel`` (the call's KernelSignature), a batch launches once, through the kernel's
-    batched twin (``_batched.py``)."""
+    """``jax.ffi.ffi_call(target, result_types, vmap_method="expand_dims", input_output_aliases=aliases,
+    has_side_effect=...)(*operands, **attrs)``, as a primitive that shards its ``vmap`` batch dimensions under
+    ``jax.jit`` and types its outputs under ``shard_map``. With ``kernel`` (the call's KernelSignature and
+    whether it is the adjoint), a batch launches once, through the kernel's batched twin (``_batched.py``)."""
     spec = _CallSpec(
         target,
         tuple(tuple(int(d) for d in t.shape) for t in result_types),
-        tuple(np.dtype(t.dtype).str for t in result_types),
+        tuple(np.dtype(t.dtype) for t in result_types),
         tuple((name, _freeze(value)) for name, value in sorted(attrs.items())),
+        aliases=tuple(sorted((aliases or {}).items())),
+        has_side_effect=bool(has_side_effect),
         kernel=kernel,
     )
-    if _UNAVAILABLE is not None or not operands:  # nothing to shard without operands
+    # A call with a side effect must reach XLA even when its results are unused: jax.ffi.ffi_call carries
+    # the effect, this primitive does not (JAX would drop it as dead code), so such calls are not partitioned.
+    if _UNAVAILABLE is not None or not operands or has_side_effect:  # nothing to shard without operands
         if _UNAVAILABLE is not None:
             _warn_unavailable()
         return _plain_call(spec, *operands)
@@ -186,7 +194,8 @@ def _plain_call(spec: _CallSpec, *operands, platforms=None):
     if spec.kernel is not None:  # one launch for the whole batch (or a CPU launch split across threads)
         operands, extra = _batched.prepare_call(spec.kernel, batch, list(operands), attrs, platforms)
         attrs.update(extra)
-    call = jax.ffi.ffi_call(spec.target, spec.result_types(batch), vmap_method="expand_dims")
+    call = jax.ffi.ffi_call(spec.target, spec.result_types(batch), vmap_method="expand_dims",
+                            input_output_aliases=dict(spec.aliases) or None, has_side_effect=spec.has_side_effect)
     return list(call(*operands, **attrs))
 
 
@@ -230,6 +239,10 @@ def _batching_rule(operands, dims, *, spec: _CallSpec):
     # broadcasts them with stride 0 instead of materialising copies.
     moved = [jnp.expand_dims(op, 0) if d is None else jnp.moveaxis(op, d, 0) for op, d in zip(operands, dims)]
     batched = dataclasses.replace(spec, batch_shape=(size, *spec.batch_shape))
+    # An aliased operand becomes its result's buffer, so it must carry the result's full batch.
+    for k, _ in spec.aliases:
+        full = (*batched.batch_shape, *moved[k].shape[batched.num_batch :])
+        moved[k] = jnp.broadcast_to(moved[k], full)
     outs = warpnn_call_p.bind(*moved, spec=batched)
     return outs, [0] * len(outs)
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
 
-_FLOAT_KINDS = ("f",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,8 @@ class ArgSpec:
 
     @property
     def is_float(self) -> bool:
-        return self.dtype.kind in _FLOAT_KINDS
+        # np.issubdtype, not dtype.kind: ml_dtypes' bfloat16 has kind 'V'
+        return bool(jnp.issubdtype(self.dtype, jnp.floating))
 
     @property
     def warp_dtype(self):
@@ -88,88 +90,62 @@ def _arg_spec(name: str, warp_type: Any, kernel_key: str) -> ArgSpec:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class KernelSignature:
-    """The parsed signature of one Warp kernel with a given number of outputs.
+    """The parsed signature of one Warp kernel with a given number of outputs and in-out arrays.
 
-    Compared by identity: one instance exists per (kernel, num_outputs), see ``signature_of``, and one per
-    set of constant inputs, see ``without_adjoints``.
+    ``inputs`` are the parameters the caller passes (in-out arrays among them, in signature order), ``outputs``
+    the pure outputs at the end of the signature. A call returns the in-out arrays' new values first, then the
+    outputs (Warp's order). Compared by identity: one instance exists per (kernel, num_outputs, in-out names,
+    block_dim), see ``signature_of``, and one per set of constant and ``None`` inputs, see ``variant``.
     """
 
     kernel: Any
     inputs: tuple[ArgSpec, ...]
     outputs: tuple[ArgSpec, ...]
+    in_out_names: tuple[str, ...] = ()
+    block_dim: int | None = None  # threads per block (None: Warp's FFI default, 256 on CUDA and 1 on the CPU)
     # Float array inputs whose adjoint the adjoint call does not compute: inputs JAX does not differentiate
-    # in this call (constants, stop_gradient). Set only on the variants ``without_adjoints`` returns.
+    # in this call (constants, stop_gradient). Set only on the variants ``variant`` returns.
     constant_inputs: frozenset[str] = frozenset()
+    # Array inputs passed as None: Warp gets a null array (no operand, no adjoint).
+    null_inputs: frozenset[str] = frozenset()
 
     @property
     def key(self) -> str:
         return self.kernel.key
 
-    @functools.cached_property
-    def array_inputs(self) -> tuple[ArgSpec, ...]:
-        return tuple(a for a in self.inputs if a.is_array)
+    # -- the analysis of what the kernel reads and writes
 
     @functools.cached_property
-    def adjoint_inputs(self) -> tuple[ArgSpec, ...]:
-        """The inputs the adjoint call returns adjoints for: float arrays, less ``constant_inputs``."""
-        return tuple(a for a in self.inputs if a.is_array and a.is_float and a.name not in self.constant_inputs)
-
-    def without_adjoints(self, names: frozenset[str]) -> KernelSignature:
-        """This signature with no adjoint computed for the inputs ``names`` (one instance per set of names).
-
-        The launchers pass Warp a null adjoint array for them, and Warp's adjoint kernel skips the atomic
-        adds into a null array, so an input that is not differentiated costs no memory traffic backward.
-        Names of inputs that have no adjoint anyway (integer arrays, scalars) are ignored.
-        """
-        differentiable = {a.name for a in self.inputs if a.is_array and a.is_float}
-        names = (frozenset(names) & differentiable) | self.constant_inputs
-        if names == self.constant_inputs:
-            return self
-        base = self._base
-        variant = base._variants.get(names)
-        if variant is None:
-            variant = base._variants[names] = dataclasses.replace(base, constant_inputs=names)
-            variant.__dict__["_base"] = base
-        return variant
+    def uses(self) -> dict[str, ArrayUse]:
+        """How the kernel uses each array parameter (``ArrayUse``), from its source; shared by all variants."""
+        if self._base is not self:
+            return self._base.uses
+        return analyse_array_uses(self.kernel, (*self.inputs, *self.outputs))
 
     @functools.cached_property
-    def _base(self) -> KernelSignature:
-        return self
+    def kernel_has_return(self) -> bool:
+        """Whether the kernel body has a ``return`` (which may guard the accesses after it)."""
+        try:
+            return any(isinstance(n, ast.Return) for n in ast.walk(self.kernel.adj.tree))
+        except Exception:  # noqa: BLE001 - no source tree: assume the accesses may be guarded
+            return True
 
     @functools.cached_property
-    def _variants(self) -> dict[frozenset[str], KernelSignature]:
-        return {}
+    def written_inputs(self) -> tuple[str, ...]:
+        """Array inputs (not in-out) that the kernel may write: an error at construction (XLA owns them)."""
+        return tuple(s.name for s in self.inputs if s.is_array and s.name not in self.in_out_names
+                     and self.uses[s.name].writes)
 
     @functools.cached_property
-    def float_outputs(self) -> tuple[ArgSpec, ...]:
-        return tuple(a for a in self.outputs if a.is_float)
-
-    @property
-    def has_adjoint(self) -> bool:
-        """Whether Warp generates this kernel's adjoint (``enable_backward`` of the kernel, else its module).
-
-        A kernel without one still runs forward (integer-only kernels such as neighbour searches often opt
-        out to compile faster); only differentiating it is an error.
-        """
-        option = self.kernel.options.get("enable_backward")
-        if option is None:
-            option = self.kernel.module.options.get("enable_backward", True)
-        return bool(option)
+    def reverse_problems(self) -> dict[str, str]:
+        """In-out arrays and outputs that Warp's adjoint cannot differentiate, with the reason."""
+        return {s.name: problem for s in (*self.in_out, *self.outputs)
+                if (problem := self.uses[s.name].in_place_problem()) is not None}
 
     @functools.cached_property
     def outputs_read(self) -> tuple[str, ...]:
-        """Output arrays the kernel reads (not only writes), found conservatively in its source.
-
-        Warp's adjoint replays the forward without its stores and atomics and accumulates the adjoint of
-        every read into the array's adjoint, so a kernel that reads an output has no correct reverse
-        mode through Warp (its replay sees the post-forward values, and the read's adjoint would be
-        written into the cotangent). Kernels that only write outputs never touch the primal output
-        arrays in the adjoint, so the forward's outputs need not be kept for the backward pass.
-        """
-        try:
-            return tuple(n for n in self.output_names if _reads_any(self.kernel.adj.tree, {n}))
-        except Exception:  # noqa: BLE001 - no source tree to inspect: assume every output is read
-            return self.output_names
+        """Pure outputs the kernel reads (it reads zeros it did not write, or values it wrote itself)."""
+        return tuple(s.name for s in self.outputs if self.uses[s.name].reads)
 
     @functools.cached_property
     def outputs_fully_written(self) -> tuple[str, ...]:
@@ -183,6 +159,96 @@ class KernelSignature:
             return tuple(n for n in self.output_names if n not in self.outputs_read and _fully_written(self.kernel.adj.tree, n))
         except Exception:  # noqa: BLE001 - no source tree: zero every output
             return ()
+
+    # -- the buffers of the forward and adjoint calls
+
+    @functools.cached_property
+    def array_inputs(self) -> tuple[ArgSpec, ...]:
+        """The forward call's operands: array inputs (in-out ones included), less those passed as None."""
+        return tuple(a for a in self.inputs if a.is_array and a.name not in self.null_inputs)
+
+    @functools.cached_property
+    def in_out(self) -> tuple[ArgSpec, ...]:
+        return tuple(a for a in self.inputs if a.name in self.in_out_names)
+
+    @functools.cached_property
+    def results(self) -> tuple[ArgSpec, ...]:
+        """The forward call's results: the in-out arrays' new values, then the outputs."""
+        return (*self.in_out, *self.outputs)
+
+    @functools.cached_property
+    def float_results(self) -> tuple[ArgSpec, ...]:
+        """Results with a cotangent, in result order: the adjoint call's cotangent operands."""
+        return tuple(a for a in self.results if a.is_float)
+
+    @functools.cached_property
+    def float_outputs(self) -> tuple[ArgSpec, ...]:
+        return tuple(a for a in self.outputs if a.is_float)
+
+    @functools.cached_property
+    def adjoint_inputs(self) -> tuple[ArgSpec, ...]:
+        """The inputs the adjoint call returns zero-initialised adjoints for: float arrays that are not in-out,
+        less ``constant_inputs`` and ``null_inputs``."""
+        return tuple(a for a in self.array_inputs if a.is_float and a.name not in self.constant_inputs
+                     and a.name not in self.in_out_names)
+
+    @functools.cached_property
+    def carried_adjoints(self) -> tuple[ArgSpec, ...]:
+        """Results whose adjoint buffer the adjoint launch updates in place, as ``wp.Tape`` does.
+
+        The adjoint call returns them after ``adjoint_inputs``, each starting as its cotangent (the call aliases
+        the cotangent operand to it) and seen by Warp as the primal array's ``grad``, so that Warp's adjoint of a
+        store zeroes the element it overwrote and the adjoint of a read adds to it: for an in-out array the
+        result is the adjoint of its value before the launch. Float in-out arrays, and float outputs the kernel
+        reads or may store to twice.
+        """
+        return tuple(a for a in self.float_results if a.name in self.in_out_names
+                     or self.uses[a.name].reads or self.uses[a.name].may_store_twice)
+
+    def variant(self, constant_inputs: frozenset[str] | None = None, null_inputs: frozenset[str] | None = None) -> KernelSignature:
+        """This signature with other constant (non-differentiated) inputs or ``None`` inputs; one instance each.
+
+        Constant inputs get a null adjoint array, and Warp's adjoint kernel skips the atomic adds into a null
+        array, so an input that is not differentiated costs no memory traffic backward. Names of inputs that
+        have no adjoint anyway (integer arrays, scalars) are ignored.
+        """
+        differentiable = {a.name for a in self.inputs if a.is_array and a.is_float}
+        constant = self.constant_inputs if constant_inputs is None else frozenset(constant_inputs) & differentiable
+        nulls = self.null_inputs if null_inputs is None else frozenset(null_inputs)
+        if constant == self.constant_inputs and nulls == self.null_inputs:
+            return self
+        base = self._base
+        key = (constant, nulls)
+        found = base._variants.get(key)
+        if found is None:
+            found = base._variants[key] = dataclasses.replace(base, constant_inputs=constant, null_inputs=nulls)
+            found.__dict__["_base"] = base
+        return found
+
+    def without_adjoints(self, names: frozenset[str]) -> KernelSignature:
+        """This signature with no adjoint computed for the inputs ``names`` as well (see ``variant``)."""
+        differentiable = {a.name for a in self.inputs if a.is_array and a.is_float}
+        return self.variant(constant_inputs=(frozenset(names) & differentiable) | self.constant_inputs)
+
+    @functools.cached_property
+    def _base(self) -> KernelSignature:
+        return self
+
+    @functools.cached_property
+    def _variants(self) -> dict[tuple[frozenset[str], frozenset[str]], KernelSignature]:
+        return {}
+
+    @property
+    def has_adjoint(self) -> bool:
+        """Whether Warp generates this kernel's adjoint (``enable_backward`` of the kernel, else its module).
+
+        A kernel without one still runs forward (integer-only kernels such as neighbour searches often opt
+        out to compile faster); only differentiating it is an error.
+        """
+        option = self.kernel.options.get("enable_backward")
+        if option is None:
+            option = self.kernel.module.options.get("enable_backward", True)
+        return bool(option)
 
     @functools.cached_property
     def thread_private_arrays(self) -> tuple[frozenset[str], frozenset[str]]:
@@ -208,34 +274,9 @@ class KernelSignature:
     def output_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.outputs)
 
-
-_WRITE_ONLY_CALLS = {"atomic_add", "atomic_sub"}  # their adjoints never read the array
-
-
-def _reads_any(tree: ast.AST, names: set[str]) -> bool:
-    """Conservatively, whether the kernel body reads any array in ``names``.
-
-    Writes are ``a[i] = v``, ``a[i] += v`` / ``-=`` (atomic in Warp) and statement calls of
-    ``wp.atomic_add(a, ...)`` / ``wp.atomic_sub``; any other mention of the name counts as a read.
-    """
-    write_only: set[int] = set()
-
-    def mark(target):
-        if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
-            write_only.add(id(target.value))
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                mark(target)
-        elif isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.Add, ast.Sub)):
-            mark(node.target)
-        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and node.value.args:
-            func = node.value.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if name in _WRITE_ONLY_CALLS and isinstance(node.value.args[0], ast.Name):
-                write_only.add(id(node.value.args[0]))
-    return any(isinstance(n, ast.Name) and n.id in names and id(n) not in write_only for n in ast.walk(tree))
+    @functools.cached_property
+    def result_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.results)
 
 
 def _fully_written(tree: ast.AST, name: str) -> bool:
@@ -323,37 +364,415 @@ def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], froz
     return private, frozenset(assigned & set(names))
 
 
-_SIGNATURES: dict[tuple[int, int], KernelSignature] = {}
+# --------------------------------------------------------------------------------------------------
+# What a kernel does with each array parameter: the one analysis behind zeroing, in-out arrays, the
+# input-write check, reverse-mode correctness and launch-vs-shape checks.
+
+_ACCUMULATE_BUILTINS = {"atomic_add", "atomic_sub", "tile_atomic_add"}  # adjoints read, never write, the array
+_READ_WRITE_BUILTINS = {"atomic_min", "atomic_max", "atomic_exch", "atomic_cas", "atomic_and", "atomic_or", "atomic_xor"}
+_STORE_BUILTINS = {"tile_store", "array_store"}
+_NO_ACCESS_BUILTINS = {"len", "tid", "static"}
+_NO_ACCESS_ATTRIBUTES = {"shape", "ndim", "strides", "size", "dtype"}
 
 
-def signature_of(kernel: Any, num_outputs: int) -> KernelSignature:
-    """Parse (once) and return the signature of ``kernel`` with its last ``num_outputs`` args as outputs."""
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """One access of an array parameter in a kernel's source."""
+
+    kind: str  # "read" | "store" | "accumulate" | "read-write" (an atomic that returns and replaces)
+    line: int  # source line in the kernel (for a call into a @wp.func: the line of the call)
+    order: int  # program order (for a call into a @wp.func: the order within that call)
+    own_element: bool  # indexed exactly by the thread's wp.tid() coordinates
+    top_level: bool  # not under an `if`, a loop or inside a @wp.func
+    loops: tuple[int, ...]  # the loops (by id) around it
+    via: str | None = None  # the @wp.func it happens in, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayUse:
+    """How a kernel uses one array parameter: every access found in its source and the functions it calls."""
+
+    name: str
+    accesses: tuple[Access, ...] = ()
+    undecided: str | None = None  # why the analysis could not tell (then assume it is read and written)
+
+    @property
+    def reads(self) -> bool:
+        return self.undecided is not None or any(a.kind in ("read", "read-write") for a in self.accesses)
+
+    @property
+    def writes(self) -> bool:
+        return self.undecided is not None or any(a.kind != "read" for a in self.accesses)
+
+    @property
+    def stores(self) -> bool:
+        return any(a.kind in ("store", "read-write") for a in self.accesses)
+
+    def first(self, *kinds: str) -> Access | None:
+        return next((a for a in self.accesses if a.kind in kinds), None)
+
+    @property
+    def may_store_twice(self) -> bool:
+        """Whether one thread may store to the same element twice (two stores, or a store in a loop)."""
+        stores = [a for a in self.accesses if a.kind in ("store", "read-write")]
+        return len(stores) > 1 or any(a.loops for a in stores)
+
+    def in_place_problem(self) -> str | None:
+        """Why Warp's adjoint cannot differentiate this array as read *and* written by one launch, or None.
+
+        The adjoint replays the kernel against the values the array had before the launch (the launchers pass
+        them, and alias the array's gradient so Warp zeroes a stored element's adjoint as ``wp.Tape`` does). That
+        is the forward's view only if no thread reads a value any thread wrote in the same launch: every access
+        at the thread's own element, every read before every write, and no loop that both reads and writes.
+        """
+        if self.undecided is not None:
+            return f"warpnn cannot tell how the kernel uses it ({self.undecided})"
+        if not (self.reads and self.writes):
+            return None
+        if any(a.kind == "read-write" for a in self.accesses):
+            a = self.first("read-write")
+            return f"it is updated by an atomic that also reads it (line {a.line})"
+        stray = next((a for a in self.accesses if not a.own_element), None)
+        if stray is not None:
+            where = f" inside @wp.func '{stray.via}'" if stray.via else ""
+            return (f"it is both read and written, and line {stray.line}{where} touches an element other than the "
+                    "thread's own wp.tid() index, so a thread may read what another thread wrote")
+        last_read = max(a.order for a in self.accesses if a.kind == "read")
+        first_write = min(a.order for a in self.accesses if a.kind != "read")
+        if last_read > first_write:
+            read = max((a for a in self.accesses if a.kind == "read"), key=lambda a: a.order)
+            return f"line {read.line} reads it after the kernel wrote it, so the adjoint would replay a different value"
+        for loop in {l for a in self.accesses for l in a.loops}:
+            kinds = {a.kind for a in self.accesses if loop in a.loops}
+            if "read" in kinds and kinds - {"read"}:
+                return "a loop both reads and writes it"
+        return None
+
+
+def _callee_name(func: ast.AST) -> str | None:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    if isinstance(func, ast.Name):
+        return func.id
+    return None
+
+
+class _UseCollector:
+    """Walks a kernel's (or @wp.func's) AST and records the accesses of its array parameters."""
+
+    def __init__(self, fn_globals: dict, arrays: dict[str, tuple[str, int]], tid_vars=None, call=None, depth=0,
+                 counter=None, line_offset=0):
+        self.globals = fn_globals
+        self.counter = counter if counter is not None else itertools.count()
+        self.line_offset = line_offset  # kernel source line numbers -> file line numbers
+        self.env = dict(arrays)  # local name -> (kernel parameter, array ndim)
+        self.tid_vars: list[str] | None = tid_vars
+        self.call = call  # (line, position, loops, function name) of the call into this @wp.func, if any
+        self.depth = depth
+        self.found: dict[str, list[Access]] = {p: [] for p, _ in arrays.values()}
+        self.undecided: dict[str, str] = {}
+        self.loops: list[int] = []
+        self.conditional = 0
+
+    # -- recording
+
+    def _record(self, param: str, kind: str, node: ast.AST, index: list[ast.AST] | None, ndim: int):
+        if self.call is not None:  # inside a @wp.func: place the access at the call
+            line, loops, via = self.call
+            own, top = False, False
+            loops = (*loops, *self.loops)
+        else:
+            line, via = node.lineno + self.line_offset, None
+            own = index is not None and self.tid_vars is not None and len(index) == ndim == len(self.tid_vars) and [
+                getattr(i, "id", None) for i in index] == self.tid_vars
+            top, loops = not self.conditional and not self.loops, tuple(self.loops)
+        self.found.setdefault(param, []).append(Access(kind, line, next(self.counter), own, top, loops, via))
+
+    def _undecide(self, param: str, reason: str):
+        self.undecided.setdefault(param, reason)
+
+    def _array_of(self, node: ast.AST):
+        """(parameter, ndim, indices) if ``node`` is an array parameter (or alias) or a subscript of one."""
+        indices: list[ast.AST] = []
+        while isinstance(node, ast.Subscript):
+            s = node.slice
+            indices = [*(s.elts if isinstance(s, ast.Tuple) else [s]), *indices]
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in self.env:
+            param, ndim = self.env[node.id]
+            return param, ndim, indices
+        return None
+
+    # -- statements
+
+    def body(self, stmts):
+        for stmt in stmts:
+            self.stmt(stmt)
+
+    def stmt(self, node: ast.stmt):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            value = node.value
+            if value is None:
+                return
+            if (isinstance(value, ast.Call) and _callee_name(value.func) == "tid" and self.tid_vars is None
+                    and len(targets) == 1):
+                names = targets[0].elts if isinstance(targets[0], ast.Tuple) else [targets[0]]
+                if all(isinstance(n, ast.Name) for n in names):
+                    self.tid_vars = [n.id for n in names]
+                return
+            # an alias or a view of an array: `b = a`, `row = a[i]` on a 2-D array
+            if len(targets) == 1 and isinstance(targets[0], ast.Name):
+                found = self._array_of(value)
+                if found is not None and len(found[2]) < found[1]:
+                    param, ndim, indices = found
+                    for i in indices:
+                        self.expr(i)
+                    self.env[targets[0].id] = (param, ndim - len(indices))
+                    return
+            self.expr(value)
+            for target in targets:
+                self.target(target, "store")
+        elif isinstance(node, ast.AugAssign):
+            found = self._array_of(node.target)
+            if found is not None:
+                kind = "accumulate" if isinstance(node.op, (ast.Add, ast.Sub)) else "read-write"
+                param, ndim, indices = found
+                for i in indices:
+                    self.expr(i)
+                self._record(param, kind, node, indices[:ndim], ndim)
+            elif isinstance(node.target, ast.Name) and node.target.id in self.env:
+                self._undecide(self.env[node.target.id][0], f"line {node.lineno} rebinds it")
+            self.expr(node.value)
+        elif isinstance(node, ast.If):
+            self.expr(node.test)
+            self.conditional += 1
+            self.body(node.body)
+            self.body(node.orelse)
+            self.conditional -= 1
+        elif isinstance(node, (ast.For, ast.While)):
+            self.expr(node.iter if isinstance(node, ast.For) else node.test)
+            self.loops.append(id(node))
+            self.body(node.body)
+            self.body(node.orelse)
+            self.loops.pop()
+        elif isinstance(node, ast.With):
+            self.body(node.body)
+        elif isinstance(node, ast.Expr):
+            self.expr(node.value)
+        elif isinstance(node, ast.Return):
+            if node.value is not None:
+                self.expr(node.value)
+        elif isinstance(node, (ast.FunctionDef,)):
+            self.body(node.body)
+        else:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.expr):
+                    self.expr(child)
+
+    def target(self, node: ast.AST, kind: str):
+        if isinstance(node, ast.Tuple):
+            for elt in node.elts:
+                self.target(elt, kind)
+            return
+        found = self._array_of(node)
+        if found is not None:
+            param, ndim, indices = found
+            for i in indices:
+                self.expr(i)
+            if not indices:
+                self._undecide(param, f"line {node.lineno} rebinds it")
+            else:
+                self._record(param, kind, node, indices[:ndim], ndim)
+        elif isinstance(node, ast.Subscript):  # v[0] = ... on a local vector
+            self.expr(node.slice)
+        elif isinstance(node, ast.Attribute):
+            self.expr(node.value)
+
+    # -- expressions
+
+    def expr(self, node: ast.AST):
+        if node is None:
+            return
+        found = self._array_of(node) if isinstance(node, (ast.Subscript, ast.Name)) else None
+        if found is not None:
+            param, ndim, indices = found
+            for i in indices:
+                self.expr(i)
+            self._record(param, "read", node, indices[:ndim] if indices else None, ndim)
+            return
+        if isinstance(node, ast.Attribute):
+            inner = self._array_of(node.value) if isinstance(node.value, ast.Name) else None
+            if inner is not None and node.attr in _NO_ACCESS_ATTRIBUTES:
+                return
+            self.expr(node.value)
+            return
+        if isinstance(node, ast.Call):
+            self.call_expr(node)
+            return
+        for child in ast.iter_child_nodes(node):
+            self.expr(child)
+
+    def _resolve(self, func: ast.AST):
+        """The Warp function a call names, or None; ``wp.x`` / ``warp.x`` name builtins."""
+        if isinstance(func, ast.Name):
+            return self.globals.get(func.id, getattr(builtins_module, func.id, None))
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            base = self.globals.get(func.value.id)
+            return getattr(base, func.attr, None) if base is not None else None
+        return None
+
+    def call_expr(self, node: ast.Call):
+        name = _callee_name(node.func)
+        args = list(node.args)
+        array_args = [(k, self._array_of(a)) for k, a in enumerate(args)]
+        array_args = [(k, f) for k, f in array_args if f is not None and not f[2]]  # whole arrays passed
+        if name in _NO_ACCESS_BUILTINS and isinstance(node.func, (ast.Name, ast.Attribute)):
+            for a in args:
+                if self._array_of(a) is None:
+                    self.expr(a)
+            return
+        target = self._resolve(node.func)
+        is_warp_function = target is not None and hasattr(target, "is_builtin")
+        if array_args and is_warp_function and not target.is_builtin():
+            self._call_user_function(node, target, array_args)
+        elif array_args and (is_warp_function or (target is None and isinstance(node.func, ast.Attribute))):
+            kind = ("accumulate" if name in _ACCUMULATE_BUILTINS else "read-write" if name in _READ_WRITE_BUILTINS
+                    else "store" if name in _STORE_BUILTINS else "read")
+            for k, (param, ndim, _) in array_args:
+                if k == 0 and kind != "read":
+                    index = args[1 : 1 + ndim] if name.startswith("atomic") else None
+                    self._record(param, kind, node, index, ndim)
+                else:
+                    self._record(param, "read", node, None, ndim)
+        elif array_args:
+            for _, (param, _, _) in array_args:
+                self._undecide(param, f"line {node.lineno} passes it to '{ast.unparse(node.func)}', which is not a Warp function")
+        passed = {k for k, _ in array_args}
+        for k, a in enumerate(args):
+            if k not in passed:
+                self.expr(a)
+        for kw in node.keywords:
+            found = self._array_of(kw.value)
+            if found is not None and not found[2]:
+                self._undecide(found[0], f"line {node.lineno} passes it by keyword to '{ast.unparse(node.func)}'")
+            else:
+                self.expr(kw.value)
+
+    def _call_user_function(self, node: ast.Call, fn, array_args):
+        adj = getattr(fn, "adj", None)
+        tree = getattr(adj, "tree", None)
+        if tree is None or self.depth > 16 or getattr(fn, "native_snippet", None) or getattr(fn, "custom_grad_func", None):
+            for _, (param, _, _) in array_args:
+                self._undecide(param, f"line {node.lineno} passes it to @wp.func '{fn.key}', whose body warpnn cannot read")
+            return
+        labels = [a.label for a in adj.args]
+        arrays = {}
+        for k, (param, ndim, _) in array_args:
+            if k < len(labels):
+                arrays[labels[k]] = (param, ndim)
+        # accesses inside the function are placed at the outermost call in the kernel
+        call = self.call or (node.lineno + self.line_offset, tuple(self.loops), fn.key)
+        inner = _UseCollector(_names_visible_to(fn.func), arrays, tid_vars=None, call=call, depth=self.depth + 1,
+                              counter=self.counter)
+        inner.loops = []
+        inner.body(_function_def(tree).body)
+        for param, accesses in inner.found.items():
+            self.found.setdefault(param, []).extend(accesses)
+        for param, reason in inner.undecided.items():
+            self._undecide(param, reason)
+
+
+import builtins as builtins_module  # noqa: E402 - only for resolving `len`, `range`, ... in kernels
+
+
+def _names_visible_to(fn) -> dict:
+    """The globals of a Python function plus its closure (kernels and @wp.func's defined inside functions)."""
+    names = dict(getattr(fn, "__globals__", {}))
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    for name, cell in zip(code.co_freevars if code else (), cells):
+        try:
+            names[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    return names
+
+
+def _function_def(tree: ast.AST) -> ast.FunctionDef:
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+
+
+def analyse_array_uses(kernel, specs) -> dict[str, ArrayUse]:
+    """How ``kernel`` uses each array parameter in ``specs`` (``ArgSpec`` s), from its source."""
+    arrays = {s.name: (s.name, s.warp_ndim) for s in specs if s.is_array}
+    try:
+        collector = _UseCollector(_names_visible_to(kernel.func), arrays,
+                                  line_offset=int(getattr(kernel.adj, "fun_lineno", 1) or 1) - 1)
+        collector.body(_function_def(kernel.adj.tree).body)
+    except Exception as e:  # noqa: BLE001 - no source tree, or a construct this walker does not know
+        return {n: ArrayUse(n, (), f"its source could not be analysed: {type(e).__name__}: {e}") for n in arrays}
+    return {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n)) for n in arrays}
+
+
+_SIGNATURES: dict[tuple, KernelSignature] = {}
+
+
+def signature_of(kernel: Any, num_outputs: int, in_out_argnames=(), block_dim: int | None = None) -> KernelSignature:
+    """Parse (once) and return the signature of ``kernel``.
+
+    As in ``wp.jax_kernel``: the last ``num_outputs`` parameters are results, and ``num_outputs`` counts the
+    in-out arrays ``in_out_argnames`` too, which are passed as inputs and must come before the pure outputs.
+    """
     if not isinstance(kernel, wp.Kernel):
         raise TypeError(
             f"warpnn.jax_kernel expects a Warp kernel (a function decorated with @wp.kernel), "
             f"got {type(kernel).__name__}."
         )
-    cache_key = (id(kernel), num_outputs)
+    in_out_argnames = tuple(in_out_argnames or ())
+    cache_key = (id(kernel), num_outputs, in_out_argnames, block_dim)
     cached = _SIGNATURES.get(cache_key)
     if cached is not None and cached.kernel is kernel:
         return cached
 
     params = kernel.adj.args
-    if not isinstance(num_outputs, int) or not 1 <= num_outputs <= len(params):
+    labels = [a.label for a in params]
+    if len(set(in_out_argnames)) != len(in_out_argnames):
+        raise ValueError(f"Kernel '{kernel.key}': in_out_argnames={list(in_out_argnames)} names an argument twice (in_out_argnames must not contain duplicate names).")
+    unknown = [n for n in in_out_argnames if n not in labels]
+    if unknown:
         raise ValueError(
-            f"num_outputs={num_outputs!r} for kernel '{kernel.key}', whose parameters are "
-            f"{[a.label for a in params]}. num_outputs counts the output arrays at the end of the "
-            f"signature and must be between 1 and {len(params)}."
+            f"Kernel '{kernel.key}': in_out_argnames {unknown} are not parameters of the kernel (they did not match any "
+            f"function argument names); its parameters are {labels}."
+        )
+    n_in_out = len(in_out_argnames)
+    if (not isinstance(num_outputs, int) or isinstance(num_outputs, bool)
+            or not max(1, n_in_out) <= num_outputs <= len(params)):
+        raise ValueError(
+            f"num_outputs={num_outputs!r} for kernel '{kernel.key}', whose parameters are {labels}. num_outputs counts "
+            f"the results at the end of the signature, in-out arrays included ({n_in_out} here), and must be between "
+            f"{max(1, n_in_out)} and {len(params)}."
         )
     specs = [_arg_spec(a.label, a.type, kernel.key) for a in params]
-    inputs, outputs = tuple(specs[: len(specs) - num_outputs]), tuple(specs[len(specs) - num_outputs :])
-    for out in outputs:
-        if not out.is_array:
-            raise TypeError(
-                f"Kernel '{kernel.key}': output argument '{out.name}' is a {out.dtype.name} scalar, but "
-                f"outputs must be arrays. With num_outputs={num_outputs} the outputs are "
-                f"{[o.name for o in outputs]}; lower num_outputs or make '{out.name}' a wp.array."
+    n_pure = num_outputs - n_in_out
+    inputs, outputs = tuple(specs[: len(specs) - n_pure]), tuple(specs[len(specs) - n_pure :])
+    for spec in outputs:
+        if spec.name in in_out_argnames:
+            raise ValueError(
+                f"Kernel '{kernel.key}': in-out argument '{spec.name}' comes after the inputs. As in wp.jax_kernel, "
+                f"in-out arrays are passed as inputs, so they must precede the {n_pure} pure output(s) (in_out "
+                f"arguments should be placed before output-only arguments) "
+                f"{[o.name for o in outputs]} in the kernel signature; with num_outputs={num_outputs} and "
+                f"{n_in_out} in-out array(s), the pure outputs are the last {n_pure} parameters."
             )
-    sig = KernelSignature(kernel, inputs, outputs)
+        if not spec.is_array:
+            raise TypeError(
+                f"Kernel '{kernel.key}': output argument '{spec.name}' is a {spec.dtype.name} scalar, but "
+                f"outputs must be arrays. With num_outputs={num_outputs} the outputs are "
+                f"{[o.name for o in outputs]}; lower num_outputs or make '{spec.name}' a wp.array."
+            )
+    for spec in inputs:
+        if spec.name in in_out_argnames and not spec.is_array:
+            raise TypeError(f"Kernel '{kernel.key}': in-out argument '{spec.name}' is a scalar; in-out arguments are arrays.")
+    sig = KernelSignature(kernel, inputs, outputs, in_out_argnames, block_dim)
     _SIGNATURES[cache_key] = sig
     return sig

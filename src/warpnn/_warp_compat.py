@@ -14,6 +14,7 @@ from warp._src.context import invoke as invoke_cpu
 from warp._src.context import _resolve_launch_block_dim as resolve_block_dim
 from warp._src.context import invoke_cpu_blocks
 from warp._src.jax import xla_ffi
+from warp._src.jax.ffi import _validate_ffi_kernel_launch_bounds as validate_launch_bounds
 from warp._src.types import array_t, matches_array_class, strides_from_shape, type_size_in_bytes, value_types
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "runtime",
     "strides_from_shape",
     "type_size_in_bytes",
+    "validate_launch_bounds",
     "value_types",
     "xla_ffi",
 ]

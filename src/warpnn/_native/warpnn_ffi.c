@@ -40,7 +40,7 @@
 #define WARPNN_EXPORT __attribute__((visibility("default")))
 
 /* Bumped whenever the registration interface below changes; Python refuses a library with another value. */
-#define WARPNN_ABI_VERSION 2
+#define WARPNN_ABI_VERSION 3
 #ifndef WARPNN_SOURCE_HASH
 #define WARPNN_SOURCE_HASH "unknown"
 #endif
@@ -53,6 +53,7 @@ enum {
     kChunkSize = 1 << kChunkBits,
     kMaxChunks = 4096,      /* up to 4M kernel signatures per process */
     kStackScratch = 8192,   /* per-call scratch kept on the stack below this size */
+    kMaxGradAliases = 1024, /* parameters that may carry their adjoint in their primal array's grad */
 };
 
 /* Mirror of Warp's array_t (warp/native/array.h; warp._src.types.array_t). Python checks the ctypes layout
@@ -83,6 +84,10 @@ enum {
     P_FIELD_SIZE,    /* scalars: size of the field in the struct */
     P_FULLY_WRITTEN, /* outputs: every thread stores its own wp.tid() element, so a launch over the output's
                         own Warp shape writes it all and needs no zeroing first */
+    P_PRESET,        /* bit m: in mode m (0 forward, 1 adjoint) this parameter's result starts as an operand
+                        (XLA aliases them: in-out arrays, carried adjoints) and is never zeroed */
+    P_GRAD_ALIAS,    /* adjoint: the primal array's `grad` is its adjoint buffer, so Warp's adjoint of a store
+                        zeroes the overwritten element's adjoint, as under wp.Tape */
     P_NCOLS
 };
 
@@ -574,6 +579,7 @@ typedef struct {
     uint8_t* field;                    /* the array_t in the args or adjoint struct */
     int64_t source;                    /* the buffer (see Slot); <0: result -source-1 */
     int64_t flat_stride;               /* bytes per flat batch index (0: broadcast); -1: batch dims not flat */
+    int32_t grad_from;                 /* >= 0: copy that array slot's data pointer into this one's grad */
 } ArraySlot;
 
 /* ------------------------------------------------------------------------------------------------------------
@@ -1185,6 +1191,9 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     void** kernel_params = (void**)(arrays + num_slots);
     int32_t num_arrays = 0;
     XLA_FFI_Error* error = NULL;
+    /* array slot of each parameter's primal value and adjoint, for P_GRAD_ALIAS (-1: none) */
+    int32_t primal_array[kMaxGradAliases], adjoint_array[kMaxGradAliases];
+    for (int32_t i = 0; i < kMaxGradAliases; ++i) primal_array[i] = adjoint_array[i] = -1;
 
 #define FAIL(code, ...)                                  \
     do {                                                 \
@@ -1251,11 +1260,13 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         }
         /* stride now = bytes of one batch element; walk this buffer's batch dims, aligned to the right of the
          * batch shape: a size-1 dim (unbatched, broadcast operand) gets stride 0. */
+        if (slot->param < kMaxGradAliases) (slot->adjoint ? adjoint_array : primal_array)[slot->param] = num_arrays;
         ArraySlot* as = &arrays[num_arrays++];
         as->base = (uint8_t*)buf->data;
         as->field = field;
         as->source = slot->source;
         int64_t element_bytes = stride;
+        as->grad_from = -1;
         for (int64_t k = batch_rank - 1, own = lead - 1; k >= 0; --k, --own) {
             if (own < 0) {
                 as->batch_stride[k] = 0;
@@ -1286,6 +1297,15 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         memcpy(field, &a, sizeof(a));
     }
     kernel_params[0] = bounds;
+    if (mode == 1)
+        for (int32_t i = 0; i < d->num_params; ++i) {
+            const int64_t* p = d->params + (size_t)i * P_NCOLS;
+            if (!p[P_IS_ARRAY] || !p[P_GRAD_ALIAS]) continue;
+            if (i >= kMaxGradAliases || primal_array[i] < 0 || adjoint_array[i] < 0)
+                FAIL(XLA_FFI_Error_Code_INTERNAL, "warpnn: kernel '%s': no buffers for the carried adjoint of "
+                     "parameter %d", kname, (int)i);
+            arrays[primal_array[i]].grad_from = adjoint_array[i];
+        }
 
     /* ---- the driver path, when this thread's context is the kernel's and the launch fits one grid */
     const DriverApi* driver = NULL;
@@ -1303,6 +1323,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         size_t nbytes = (size_t)p[P_SCALAR_BYTES];
         for (int64_t k = 0; k < buf->rank; ++k) nbytes *= (size_t)buf->dims[k];
         if (!nbytes || !buf->data) continue;
+        if (p[P_PRESET] & (1 << mode)) continue; /* starts as an operand's values */
         if (mode == 0 && p[P_FULLY_WRITTEN] && p[P_WARP_NDIM] == (int64_t)dims_attr->size) {
             const int64_t* launch = (const int64_t*)dims_attr->data;
             int64_t lead = buf->rank - p[P_JAX_NDIM], same = 1;
@@ -1336,10 +1357,13 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         void* tfn = te ? (mode ? te->backward : te->forward) : NULL;
         int flat = tfn != NULL && (!cuda || te->context == entry->context);
         for (int32_t k = 0; flat && k < num_arrays; ++k)
-            flat = arrays[k].flat_stride >= 0 && (uint64_t)arrays[k].flat_stride * (uint64_t)num_batch <= INT32_MAX;
+            flat = arrays[k].flat_stride >= 0 && (uint64_t)arrays[k].flat_stride * (uint64_t)num_batch <= INT32_MAX &&
+                   arrays[k].grad_from < 0; /* grad aliases are set per element: keep those on the loop */
         if (flat) {
+            if (!cuda) pthread_mutex_lock(&g_cpu_launch_lock); /* also guards the thread pool and its scratch */
             error = launch_twin(api, d, twin, te, tfn, mode, cuda, ordinal, stream, driver, dims_attr, num_batch,
                                 frame, args_struct, adj_struct, args_bytes, arrays, num_arrays);
+            if (!cuda) pthread_mutex_unlock(&g_cpu_launch_lock);
             goto done;
         }
     }
@@ -1361,6 +1385,10 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
             uint64_t data = (uint64_t)(uintptr_t)(as->base + offset);
             memcpy(as->field + offsetof(wp_array_t, data), &data, sizeof(data));
         }
+        for (int32_t k = 0; k < num_arrays; ++k) /* after every data pointer of this batch element is set */
+            if (arrays[k].grad_from >= 0)
+                memcpy(arrays[k].field + offsetof(wp_array_t, grad),
+                       arrays[arrays[k].grad_from].field + offsetof(wp_array_t, data), sizeof(uint64_t));
         if (driver) {
             /* Warp's launcher with max_blocks = 0 does the same: ceil(total / block_dim) blocks of block_dim
              * threads (a grid-stride kernel then runs its loop once) */
