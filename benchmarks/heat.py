@@ -6,11 +6,14 @@ fwd: the scan; fwd+bwd: the gradient of a weighted sum of the final field w.r.t.
 alternating rounds of one process: warpnn with every CPU thread (``WARPNN_CPU_THREADS``, default the CPUs this
 process may use), warpnn on one thread (the kernel's own module, as before threading), pure JAX.
 
+``--opt-levels`` times the stencil kernel alone (``wp.launch``, recorded commands, one thread) built at Warp's
+default ``-O2``, at ``-O3`` and at ``-O3 -march=native``, in alternating rounds: where a CPU element-step goes.
+
 ``--threads-table`` adds the scaling table (1, 2, all threads) for the stencil and two large kernels: an
 elementwise one (race-free: slices write their own rows) and a spring-forces scatter (slices accumulate
 into per-thread partial buffers, summed after the launch).
 
-    python -m benchmarks.heat [--sizes 64,256] [--steps 50] [--threads-table] [--json]
+    python -m benchmarks.heat [--sizes 64,256] [--steps 50] [--threads-table] [--opt-levels] [--json]
 """
 
 from __future__ import annotations
@@ -162,6 +165,52 @@ def bench_threads(n_elementwise: int, cloth_n: int, heat_n: int) -> list[dict]:
     return rows
 
 
+def bench_opt_levels(sizes) -> list[dict]:
+    import inspect
+    import textwrap
+    import time
+
+    import numpy as np
+
+    source = textwrap.dedent(inspect.getsource(heat_step.func)).split("\n", 1)[1]  # without the decorator
+    variants = {"-O2 (default)": (2, ""), "-O3": (3, ""), "-O3 -march=native": (3, "-march=native")}
+    kernels = {}
+    for k, (name, (level, flags)) in enumerate(variants.items()):
+        module = wp.get_module(f"benchmarks_heat_opt_{k}")
+        module.options["optimization_level"] = level
+        if flags:
+            module.options["cpu_compiler_flags"] = flags
+        kernels[name] = wp.Kernel(heat_step.func, key=f"heat_step_opt_{k}", module=module, source=source)
+    rows = []
+    for n in sizes:
+        u = wp.array(np.random.default_rng(0).random((n, n), dtype=np.float32), device="cpu")
+        a = wp.array([0.1], dtype=float, device="cpu")
+        cmds = {}
+        for name, kernel in kernels.items():
+            out = wp.zeros((n, n), dtype=float, device="cpu")
+            cmds[name] = wp.launch(kernel, (n, n), inputs=[u, a, C, out], device="cpu", record_cmd=True)
+            cmds[name].launch()
+        reps = max(3, (1 << 22) // (n * n))
+        samples = {name: [] for name in kernels}
+        for _ in range(7):
+            for name, cmd in cmds.items():
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    cmd.launch()
+                samples[name].append((time.perf_counter() - t0) / reps / (n * n))
+        rows.append({"size": n, **{name: float(np.median(v)) for name, v in samples.items()}})
+        print(n, {k: f"{v * 1e9:.2f} ns" for k, v in rows[-1].items() if k != "size"}, file=sys.stderr, flush=True)
+    return rows
+
+
+def opt_table(rows) -> str:
+    names = [k for k in rows[0] if k != "size"]
+    lines = ["| size | " + " | ".join(f"{n} (ns per element)" for n in names) + " |", "|---|" + "---|" * len(names)]
+    for row in rows:
+        lines.append(f"| {row['size']}² | " + " | ".join(f"{row[n] * 1e9:.2f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
 def heat_table(rows) -> str:
     names = [k for k in rows[0] if k not in ("size", "direction", "steps")]
     lines = ["| size | direction | " + " | ".join(f"{n} (ms)" for n in names) + " | " +
@@ -188,18 +237,23 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", default="64,256")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads-table", action="store_true")
+    parser.add_argument("--opt-levels", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    opt = bench_opt_levels([int(s) for s in args.sizes.split(",")]) if args.opt_levels else None
     heat = bench_heat([int(s) for s in args.sizes.split(",")], args.steps)
     threads = bench_threads(1 << 22, 200, 1024) if args.threads_table else None
     if args.json:
-        print(json.dumps({"environment": environment(), "heat": heat, "threads": threads}))
+        print(json.dumps({"environment": environment(), "heat": heat, "threads": threads, "opt_levels": opt}))
         return
     print(f"Environment: {environment()}\n")
     print(heat_table(heat))
     if threads:
         print()
         print(threads_table(threads))
+    if opt:
+        print()
+        print(opt_table(opt))
 
 
 if __name__ == "__main__":

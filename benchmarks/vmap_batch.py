@@ -36,6 +36,7 @@ def _compiled(fn, args, batched: bool):
     """``jax.jit(fn)`` compiled now, with batched launches on or off (the choice is made while lowering)."""
     previous = os.environ.get(_batched.BATCHED_ENV)
     os.environ[_batched.BATCHED_ENV] = "1" if batched else "0"
+    jax.clear_caches()  # JAX caches lowerings: without this the other choice's lowering may be reused
     try:
         return jax.jit(fn).lower(*args).compile()
     finally:

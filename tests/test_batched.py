@@ -41,10 +41,10 @@ def launches():
 
 
 def per_element_and_batched(monkeypatch, run):
-    """``run()`` with per-element launches, then with batched launches (fresh traces each), and the launch
-    counts of each."""
+    """``run()`` with per-element launches, then with the batched twin (also on the CPU, where by default a
+    batch runs its per-element launches on the CPU threads instead), fresh traces each, and the launch counts."""
     results, counts = [], []
-    for flag in ("0", "1"):
+    for flag in ("0", "twin"):
         monkeypatch.setenv(_batched.BATCHED_ENV, flag)
         jax.clear_caches()
         before = launches()
@@ -197,7 +197,8 @@ def four_d(x: wp.array4d(dtype=float), y: wp.array4d(dtype=float)):
 
 
 @native
-def test_kernel_without_twin_falls_back_with_one_warning():
+def test_kernel_without_twin_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv(_batched.BATCHED_ENV, "twin")  # the CPU would not ask for a twin by default
     f = warpnn.jax_kernel(four_d)
     x = jnp.arange(2 * 2 * 3 * 2 * 2, dtype=jnp.float32).reshape(2, 2, 3, 2, 2)
     jax.clear_caches()
@@ -332,6 +333,11 @@ def test_threaded_scatters_and_adjoints_reduce_partials(cpu_threads):
     jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-5, atol=1e-5), threaded, single)
     ref = jax.value_and_grad(loss_ref, argnums=(0, 1, 2, 3))(u, alpha, pos, stiffness)
     jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-4, atol=1e-4), threaded, ref)
+
+
+def test_threaded_vmapped_batch_splits_by_element_through_the_twin(cpu_threads, monkeypatch):
+    monkeypatch.setenv(_batched.BATCHED_ENV, "twin")
+    test_threaded_vmapped_batch_splits_by_element(cpu_threads)
 
 
 def test_threaded_vmapped_batch_splits_by_element(cpu_threads):

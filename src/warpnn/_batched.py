@@ -25,8 +25,9 @@ per-element order, so even atomics add in the same order; the results are bitwis
 The two trailing ``int`` parameters let a launch cover a slice: ``warpnn_first_batch`` offsets the batch
 index and ``warpnn_first_row`` the first ``wp.tid()`` coordinate, so the native CPU handler can split one
 launch across threads (``warpnn_ffi.c``). The twin lives in a Warp module of its own (adding it to the
-kernel's module would rebuild and unload the code already loaded), with the original module's options and
-``-O3`` on the CPU unless the module chose a level (bitwise the same results: no fast-math).
+kernel's module would rebuild and unload the code already loaded), with the original module's options (an
+explicit ``-O3`` or ``-march=native`` measured within noise of Warp's default ``-O2`` on the CPU stencil of
+``python -m benchmarks.heat --opt-levels``, so the defaults stay).
 
 Arrays are indexed directly, not through views of the element (``x = x__warpnn_b[b]``): Warp reaches a
 view's adjoint through the view's ``grad`` pointer, with the primal's strides, and zeroes it after the adjoint
@@ -77,36 +78,48 @@ class Twin:
     """The batched twin of one kernel: its Warp kernel, and what the launchers need to know about it."""
 
     kernel: Any  # wp.Kernel
-    kernel_dim: int  # the original kernel's wp.tid() rank; the twin's is one more
+    kernel_dim: int  # the original kernel's wp.tid() rank; the batched twin's is one more
+    batched: bool = True  # False: the row twin (same rank, first coordinate offset by warpnn_first_row)
 
     @property
     def module(self):
         return self.kernel.module
 
 
-_TWINS: dict[int, tuple[Any, Twin | str]] = {}
+_TWINS: dict[tuple[int, bool], tuple[Any, Twin | str]] = {}
 _LOCK = threading.RLock()
 _WARNED: set[tuple[str, str]] = set()
 
 
+def batched_mode() -> str:
+    """``$WARPNN_BATCHED_LAUNCH`` (read while lowering): ``"auto"`` (default: a vmapped call launches the batched
+    twin on a GPU, and on the CPU runs its per-element launches across the CPU threads), ``"off"`` (``0``: one
+    launch per element on one thread) or ``"twin"`` (the batched twin on the CPU too; tests use it)."""
+    value = os.environ.get(BATCHED_ENV, "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return "off"
+    return "twin" if value == "twin" else "auto"
+
+
 def enabled() -> bool:
-    """Whether batched launches are on (``$WARPNN_BATCHED_LAUNCH``, default on; ``0`` turns them off)."""
-    return os.environ.get(BATCHED_ENV, "1").strip() not in ("0", "false", "off", "no")
+    """Whether batched launches are on (``$WARPNN_BATCHED_LAUNCH`` not ``0``)."""
+    return batched_mode() != "off"
 
 
-def twin_of(kernel) -> Twin | str:
-    """The batched twin of ``kernel`` (generated once), or a sentence saying why there is none."""
+def twin_of(kernel, batched: bool = True) -> Twin | str:
+    """The batched twin of ``kernel`` (``batched=False``: its *row twin*, the kernel itself with an offset on
+    its first ``wp.tid()`` coordinate, for CPU slices), generated once, or a sentence saying why there is none."""
     with _LOCK:
-        cached = _TWINS.get(id(kernel))
+        cached = _TWINS.get((id(kernel), batched))
         if cached is not None and cached[0] is kernel:
             return cached[1]
         try:
-            result: Twin | str = _make_twin(kernel)
+            result: Twin | str = _make_twin(kernel, batched)
         except _Refused as e:
             result = str(e)
         except Exception as e:  # noqa: BLE001 - any failure of the transformation means: launch per element
             result = f"generating it failed ({type(e).__name__}: {e})"
-        _TWINS[id(kernel)] = (kernel, result)
+        _TWINS[(id(kernel), batched)] = (kernel, result)
         return result
 
 
@@ -240,7 +253,7 @@ def _array_type(arg_type, extra: int):
     return wp.array(dtype=arg_type.dtype, ndim=arg_type.ndim + extra)
 
 
-def _make_twin(kernel) -> Twin:
+def _make_twin(kernel, batched: bool = True) -> Twin:
     if not isinstance(kernel, wp.Kernel):
         raise _Refused("it is not a wp.Kernel")
     if kernel.is_generic:
@@ -259,7 +272,7 @@ def _make_twin(kernel) -> Twin:
     if kernel_dim is None:
         adj.get_references()
         kernel_dim = adj.kernel_dim
-    if kernel_dim >= _MAX_DIMS:
+    if batched and kernel_dim >= _MAX_DIMS:
         raise _Refused(f"it launches over {kernel_dim} dims and Warp allows {_MAX_DIMS}, one of them the batch")
 
     arg_types = dict(adj.arg_types)
@@ -268,7 +281,7 @@ def _make_twin(kernel) -> Twin:
     arrays = [n for n in params if wc.matches_array_class(arg_types[n], wp.array)]
     others = [n for n in params if n not in arrays]
     for name in arrays:
-        if arg_types[name].ndim >= _MAX_DIMS:
+        if batched and arg_types[name].ndim >= _MAX_DIMS:
             raise _Refused(f"its array '{name}' has {arg_types[name].ndim} dims and Warp allows {_MAX_DIMS}")
     for name in others:
         if not (arg_types[name] in wc.value_types or arg_types[name] is wp.uint64):
@@ -277,20 +290,24 @@ def _make_twin(kernel) -> Twin:
         raise _Refused("an argument name collides with the transformation's names")
 
     body = [_TidReplacer(kernel_dim).visit(stmt) for stmt in fn.body]
-    rewriter = _ArrayRewriter({n: arg_types[n].ndim for n in arrays})
-    body = [[rewriter.visit(x) for x in stmt] if isinstance(stmt, list) else rewriter.visit(stmt) for stmt in body]
+    if batched:
+        rewriter = _ArrayRewriter({n: arg_types[n].ndim for n in arrays})
+        body = [[rewriter.visit(x) for x in stmt] if isinstance(stmt, list) else rewriter.visit(stmt) for stmt in body]
+    else:
+        arrays = []  # the row twin keeps every parameter as it is
     flat_body: list[ast.stmt] = []
     for stmt in body:
         flat_body.extend(stmt if isinstance(stmt, list) else [stmt])
 
     coords = ", ".join(f"{BATCH_PREFIX}r{k}" if k == 0 else f"{BATCH_PREFIX}t{k}" for k in range(kernel_dim))
     prologue = [
-        f"{BATCH_PREFIX}bl, {coords} = {BATCH_PREFIX}wp.tid()",
-        f"{BATCH_PREFIX}b = {BATCH_PREFIX}bl + {FIRST_BATCH}",
+        f"{BATCH_PREFIX}bl, {coords} = {BATCH_PREFIX}wp.tid()" if batched else f"{coords} = {BATCH_PREFIX}wp.tid()",
+        *([f"{BATCH_PREFIX}b = {BATCH_PREFIX}bl + {FIRST_BATCH}"] if batched else []),
         f"{BATCH_PREFIX}t0 = {BATCH_PREFIX}r0 + {FIRST_ROW}",
     ]
     new_params = [f"{n}{_ARRAY_SUFFIX}" if n in arrays else n for n in params] + [FIRST_BATCH, FIRST_ROW]
-    name = f"{fn.name}__warpnn_batched"
+    suffix = "__warpnn_batched" if batched else "__warpnn_rows"
+    name = f"{fn.name}{suffix}"
     source = "\n".join([
         f"def {name}({', '.join(new_params)}):",
         *("    " + line for line in prologue),
@@ -303,17 +320,11 @@ def _make_twin(kernel) -> Twin:
         FIRST_BATCH: int,
         FIRST_ROW: int,
     }
-    module = wp.get_module(f"warpnn_batched.{kernel.module.name}.{kernel.key}")
+    module = wp.get_module(f"{suffix[2:]}.{kernel.module.name}.{kernel.key}")
     module_options = {k: v for k, v in kernel.module.options.items() if k in module.options}
     module.options.update(module_options)
-    if module_options.get("optimization_level") is None:
-        module.options["optimization_level"] = CPU_OPTIMIZATION_LEVEL  # CPU only: CUDA's default is -O3 already
-    twin = wp.Kernel(func, key=f"{kernel.key}__warpnn_batched", module=module, options=dict(kernel.options), source=source)
-    return Twin(twin, kernel_dim)
-
-
-# -O3 vectorizes and unrolls Warp's CPU loops (no fast-math: the same results as -O2); see benchmarks/heat.py.
-CPU_OPTIMIZATION_LEVEL = 3
+    twin = wp.Kernel(func, key=f"{kernel.key}{suffix}", module=module, options=dict(kernel.options), source=source)
+    return Twin(twin, kernel_dim, batched)
 
 
 def _stub_function(original, name: str, params: list[str]):
@@ -394,16 +405,20 @@ def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: di
         total *= n
     batched = num_batch > 1
     on_cpu = bool(platforms) and all(str(p).lower() == "cpu" for p in platforms)
+    mode = batched_mode()
     if batched:
-        if not enabled():
+        # The CPU runs a batch's per-element launches on its threads (warpnn_ffi.c): launches cost nothing
+        # there, and the kernel's own code indexes faster than the twin's extra batch coordinate.
+        if mode == "off" or (on_cpu and mode != "twin"):
             return operands, {}
     else:
         threads, min_work = _LAUNCH_CONFIG.get() if _LAUNCH_CONFIG.ready() else cpu_thread_config()
         if not (on_cpu and threads > 1 and total >= 2 * min_work):
             return operands, {}
     prepare = getattr(LAUNCHER.impl, "prepare_twin", None)
-    reason = "the Python launcher launches per element" if prepare is None else prepare(sig)
-    if reason is None and len(launch) > getattr(twin_of(sig.kernel), "kernel_dim", 0):
+    reason = "the Python launcher launches per element" if prepare is None else prepare(sig, batched)
+    twin = twin_of(sig.kernel, batched)
+    if reason is None and len(launch) > getattr(twin, "kernel_dim", 0):
         reason = f"its launch dims {launch} have more entries than its wp.tid() returns"
     if reason is not None:
         if batched:
@@ -452,9 +467,9 @@ _LAUNCH_CONFIG = _Config()
 def declare_native(lib) -> None:
     """ctypes prototypes of the twin functions of the native library."""
     c = ctypes
-    lib.warpnn_set_twin.argtypes = [c.c_int64, c.c_int32, c.c_int64] + [c.c_int32] * 6
+    lib.warpnn_set_twin.argtypes = [c.c_int64, c.c_int32, c.c_int32, c.c_int64] + [c.c_int32] * 6
     lib.warpnn_set_twin.restype = c.c_int32
-    lib.warpnn_set_twin_entry.argtypes = [c.c_int64, c.c_int32, c.c_int32, c.c_void_p, c.c_void_p, c.c_void_p] + [c.c_int32] * 5
+    lib.warpnn_set_twin_entry.argtypes = [c.c_int64, c.c_int32, c.c_int32, c.c_int32, c.c_void_p, c.c_void_p, c.c_void_p] + [c.c_int32] * 5
     lib.warpnn_set_twin_entry.restype = c.c_int32
     lib.warpnn_set_twin_partials.argtypes = [c.c_int64, c.c_int32, c.POINTER(c.c_int32), c.c_int32, c.POINTER(c.c_int32)]
     lib.warpnn_set_twin_partials.restype = c.c_int32
@@ -504,34 +519,36 @@ class NativeTwins:
     def threaded_launches(self) -> int:
         return self._lib.warpnn_threaded_launches()
 
-    def prepare(self, sig) -> str | None:
-        """Register the twin of ``sig`` on this trace's devices; None when ready, else the reason there is none."""
+    def prepare(self, sig, batched: bool = True) -> str | None:
+        """Register the batched (or row) twin of ``sig`` on this trace's devices; None when ready, else the
+        reason there is none."""
         from ._devices import trace_devices
 
         kid = self._launcher._kernel_id(sig)
+        key = (kid, batched)
         with _LOCK:
-            if self._reasons.get(kid, None) is not None:
-                return self._reasons[kid]
-            twin = twin_of(sig.kernel)
+            if self._reasons.get(key, None) is not None:
+                return self._reasons[key]
+            twin = twin_of(sig.kernel, batched)
             if isinstance(twin, str):
-                self._reasons[kid] = twin
+                self._reasons[key] = twin
                 return twin
             try:
                 for device in trace_devices():
                     self._set_entry(kid, twin, device)
-                if kid not in self._reasons:
+                if key not in self._reasons:
                     self._register_layout(kid, sig, twin)
             except Exception as e:  # noqa: BLE001 - a twin that does not build or load: launch per element
-                self._reasons[kid] = f"its batched twin could not be built or loaded ({type(e).__name__}: {e})"
-                return self._reasons[kid]
-            self._reasons[kid] = None
+                self._reasons[key] = f"its batched twin could not be built or loaded ({type(e).__name__}: {e})"
+                return self._reasons[key]
+            self._reasons[key] = None
             return None
 
     def _set_entry(self, kid: int, twin: Twin, device) -> None:
         module_exec = twin.kernel.module.load(device, wc.resolve_block_dim(device, None))
         if module_exec is None:
             raise RuntimeError(f"Warp could not build module '{twin.kernel.module.name}' for {device}")
-        key = (kid, device.alias)
+        key = (kid, device.alias, twin.batched)
         if self._execs.get(key) is module_exec:
             return
         hooks = module_exec.get_kernel_hooks(twin.kernel)
@@ -543,7 +560,7 @@ class NativeTwins:
                 hooks.backward_smem_bytes if hooks.backward else 0, module_exec.block_dim,
                 int(bool(twin.kernel.grid_stride)), hooks.cluster_dim,
             )
-        rc = self._lib.warpnn_set_twin_entry(kid, *args)
+        rc = self._lib.warpnn_set_twin_entry(kid, int(twin.batched), *args)
         if rc != 0:
             raise RuntimeError(f"registering the twin entry points failed ({rc})")
         self._execs[key] = module_exec
@@ -562,7 +579,7 @@ class NativeTwins:
         except Exception:  # noqa: BLE001 - private Warp API: the conservative candidate
             tid_limit = kernel.adj.tid_extent_limit_candidate
         rc = self._lib.warpnn_set_twin(
-            kid, kernel.adj.kernel_dim, -1 if tid_limit is None else int(tid_limit), ctypes.sizeof(bounds_type),
+            kid, int(twin.batched), kernel.adj.kernel_dim, -1 if tid_limit is None else int(tid_limit), ctypes.sizeof(bounds_type),
             bounds_type.size.offset, bounds_type.coord_mult.offset, ctypes.sizeof(extended),
             getattr(extended, FIRST_BATCH).offset, getattr(extended, FIRST_ROW).offset,
         )

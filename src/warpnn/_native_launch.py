@@ -397,9 +397,9 @@ class NativeLauncher:
                 self._set_entry(kid, sig, device)
         return {KERNEL_ID_ATTR: np.int64(kid)}
 
-    def prepare_twin(self, sig: KernelSignature) -> str | None:
-        """Register the batched twin of ``sig`` (``_batched.py``); None when ready, else why there is none."""
-        return self.twins.prepare(sig)
+    def prepare_twin(self, sig: KernelSignature, batched: bool = True) -> str | None:
+        """Register the batched (or row) twin of ``sig`` (``_batched.py``); None when ready, else why not."""
+        return self.twins.prepare(sig, batched)
 
     # -- registration
 

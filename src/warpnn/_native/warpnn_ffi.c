@@ -148,15 +148,16 @@ typedef struct {
     _Atomic(DeviceEntry*) cuda[kMaxCudaDevices];
     /* The kernel's batched twin (warpnn/_batched.py), if Python registered one: the same parameters with one more
      * leading dim on every array, a leading batch coordinate, and two trailing int offsets. */
-    _Atomic(const struct TwinLayout*) twin;
-    _Atomic(DeviceEntry*) twin_cpu;
-    _Atomic(DeviceEntry*) twin_cuda[kMaxCudaDevices];
+    _Atomic(const struct TwinLayout*) twin[2]; /* [0]: the row twin (same rank, offset first coordinate); [1]: batched */
+    _Atomic(DeviceEntry*) twin_cpu[2];
+    _Atomic(DeviceEntry*) twin_cuda[2][kMaxCudaDevices];
     _Atomic(void*) partials; /* const PartialKinds*: how the twin's CPU slices may write each result */
 } KernelDesc;
 
 /* Immutable once published (never freed, like DeviceEntry). */
 typedef struct TwinLayout {
-    int32_t kernel_dim; /* the twin's wp.tid() rank: the original's + 1 */
+    int32_t batched;    /* 1: the batched twin (a leading batch coordinate, arrays with a leading batch dim) */
+    int32_t kernel_dim; /* the twin's wp.tid() rank: the original's + batched */
     int64_t tid_limit;
     int32_t bounds_size, bounds_size_offset, bounds_coord_mult_offset;
     int32_t args_size;                            /* the original struct + the two offsets */
@@ -410,17 +411,20 @@ WARPNN_EXPORT int32_t warpnn_set_cuda_entry(int64_t kernel_id, int32_t ordinal, 
 }
 
 /* The layout of the kernel's batched twin (see TwinLayout). Returns 0 on success. */
-WARPNN_EXPORT int32_t warpnn_set_twin(int64_t kernel_id, int32_t kernel_dim, int64_t tid_limit, int32_t bounds_size,
-                                      int32_t bounds_size_offset, int32_t bounds_coord_mult_offset, int32_t args_size,
-                                      int32_t first_batch_offset, int32_t first_row_offset) {
+WARPNN_EXPORT int32_t warpnn_set_twin(int64_t kernel_id, int32_t batched, int32_t kernel_dim, int64_t tid_limit,
+                                      int32_t bounds_size, int32_t bounds_size_offset,
+                                      int32_t bounds_coord_mult_offset, int32_t args_size, int32_t first_batch_offset,
+                                      int32_t first_row_offset) {
     KernelDesc* d = lookup(kernel_id);
     if (!d) return 1;
-    if (kernel_dim != d->kernel_dim + 1 || kernel_dim > kMaxDims || bounds_size <= 0 || bounds_size > 64 ||
+    batched = batched ? 1 : 0;
+    if (kernel_dim != d->kernel_dim + batched || kernel_dim > kMaxDims || bounds_size <= 0 || bounds_size > 64 ||
         args_size < d->args_size || first_batch_offset < d->args_size || first_row_offset < d->args_size ||
         first_batch_offset + 4 > args_size || first_row_offset + 4 > args_size)
         return 4;
     TwinLayout* t = (TwinLayout*)calloc(1, sizeof(TwinLayout));
     if (!t) return 2;
+    t->batched = batched;
     t->kernel_dim = kernel_dim;
     t->tid_limit = tid_limit;
     t->bounds_size = bounds_size;
@@ -429,12 +433,13 @@ WARPNN_EXPORT int32_t warpnn_set_twin(int64_t kernel_id, int32_t kernel_dim, int
     t->args_size = args_size;
     t->first_batch_offset = first_batch_offset;
     t->first_row_offset = first_row_offset;
-    atomic_store_explicit(&d->twin, t, memory_order_release);
+    atomic_store_explicit(&d->twin[batched], t, memory_order_release);
     return 0;
 }
 
 /* Entry points of the batched twin on one device (cuda 0: the CPU). Returns 0 on success. */
-WARPNN_EXPORT int32_t warpnn_set_twin_entry(int64_t kernel_id, int32_t cuda, int32_t ordinal, void* context,
+WARPNN_EXPORT int32_t warpnn_set_twin_entry(int64_t kernel_id, int32_t batched, int32_t cuda, int32_t ordinal,
+                                            void* context,
                                             void* forward, void* backward, int32_t forward_smem,
                                             int32_t backward_smem, int32_t block_dim, int32_t grid_stride,
                                             int32_t cluster_dim) {
@@ -444,7 +449,8 @@ WARPNN_EXPORT int32_t warpnn_set_twin_entry(int64_t kernel_id, int32_t cuda, int
     DeviceEntry* e =
         new_entry(context, forward, backward, forward_smem, backward_smem, block_dim, grid_stride, cluster_dim);
     if (!e) return 2;
-    atomic_store_explicit(cuda ? &d->twin_cuda[ordinal] : &d->twin_cpu, e, memory_order_release);
+    batched = batched ? 1 : 0;
+    atomic_store_explicit(cuda ? &d->twin_cuda[batched][ordinal] : &d->twin_cpu[batched], e, memory_order_release);
     return 0;
 }
 
@@ -706,7 +712,9 @@ typedef struct {
     int mode;
     const TwinLayout* twin;
     const uint8_t* bounds;        /* the whole launch's twin bounds */
-    int split_dim;                /* 0: batch, 1: first coordinate */
+    int split_dim;                /* index in the bounds of the dim the slices cut */
+    int32_t split_field;          /* args-struct offset of the int receiving a slice's first index */
+    int32_t other_field;          /* the other offset, 0 */
     int64_t extent;               /* of the split dim */
     int64_t threads_per_index;    /* launch threads per index of the split dim */
     const uint8_t* args;          /* templates */
@@ -734,8 +742,8 @@ static void cpu_split_launch(void* ctx_, int w, int n) {
     memcpy(args, c->args, c->args_bytes);
     memcpy(adj, c->adj, c->args_bytes);
     int32_t first = (int32_t)lo, zero = 0;
-    memcpy(args + (c->split_dim == 0 ? c->twin->first_batch_offset : c->twin->first_row_offset), &first, 4);
-    memcpy(args + (c->split_dim == 0 ? c->twin->first_row_offset : c->twin->first_batch_offset), &zero, 4);
+    memcpy(args + c->other_field, &zero, 4);
+    memcpy(args + c->split_field, &first, 4);
     if (w > 0 && c->partials) {
         uint8_t* mine = c->partials + (size_t)(w - 1) * c->partial_stride;
         for (int32_t r = 0; r < c->num_rets; ++r)
@@ -792,6 +800,52 @@ static void cpu_split_reduce(void* ctx_, int w, int n) {
     }
 }
 
+/* A CPU batch's per-element launches of the kernel itself, batch elements split across workers: each element
+ * writes only its own results, so this is race-free and bitwise the one-thread loop. */
+typedef struct {
+    void* fn;
+    int mode;
+    const uint8_t* bounds;
+    const uint8_t* args; /* templates; adj follows args */
+    size_t args_bytes;
+    const ArraySlot* arrays;
+    int32_t num_arrays;
+    const int64_t* batch;
+    int64_t batch_rank, num_batch;
+    uint8_t* scratch; /* num_workers * 2 * args_bytes */
+} CpuLoop;
+
+static void cpu_loop_slice(void* ctx_, int w, int n) {
+    CpuLoop* c = (CpuLoop*)ctx_;
+    int64_t lo = c->num_batch * w / n, hi = c->num_batch * (w + 1) / n;
+    uint8_t* args = c->scratch + (size_t)w * 2 * c->args_bytes;
+    uint8_t* adj = args + c->args_bytes;
+    memcpy(args, c->args, 2 * c->args_bytes);
+    for (int64_t b = lo; b < hi; ++b) {
+        int64_t index[kMaxBatchRank], rest = b;
+        for (int64_t j = c->batch_rank - 1; j >= 0; --j) {
+            index[j] = rest % c->batch[j];
+            rest /= c->batch[j];
+        }
+        for (int32_t k = 0; k < c->num_arrays; ++k) {
+            const ArraySlot* as = &c->arrays[k];
+            int64_t offset = 0;
+            for (int64_t j = 0; j < c->batch_rank; ++j) offset += index[j] * as->batch_stride[j];
+            uint64_t data = (uint64_t)(uintptr_t)(as->base + offset);
+            memcpy(args + (as->field - c->args) + offsetof(wp_array_t, data), &data, sizeof(data));
+        }
+        for (int32_t k = 0; k < c->num_arrays; ++k)
+            if (c->arrays[k].grad_from >= 0)
+                memcpy(args + (c->arrays[k].field - c->args) + offsetof(wp_array_t, grad),
+                       args + (c->arrays[c->arrays[k].grad_from].field - c->args) + offsetof(wp_array_t, data),
+                       sizeof(uint64_t));
+        if (c->mode)
+            ((cpu_backward_fn)c->fn)((void*)c->bounds, args, adj);
+        else
+            ((cpu_forward_fn)c->fn)((void*)c->bounds, args);
+    }
+}
+
 /* Scratch reused across CPU launches (guarded by g_cpu_launch_lock). */
 static uint8_t* g_cpu_scratch;
 static size_t g_cpu_scratch_size;
@@ -817,8 +871,9 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
                                   XLA_FFI_CallFrame* frame, uint8_t* args_struct, uint8_t* adj_struct,
                                   size_t args_bytes, ArraySlot* arrays, int32_t num_arrays) {
     const char* kname = d->name;
-    /* arrays: one more leading dim; null arrays too, so that the twin's views of them stay null */
-    for (int32_t s = 0; s < d->num_slots[mode]; ++s) {
+    const int batched = twin->batched;
+    /* arrays: one more leading dim (batched twin), null arrays too */
+    for (int32_t s = 0; batched && s < d->num_slots[mode]; ++s) {
         const Slot* slot = &d->slots[mode][s];
         const int64_t* p = d->params + (size_t)slot->param * P_NCOLS;
         if (!p[P_IS_ARRAY]) continue;
@@ -841,22 +896,26 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
         a.ndim = (uint16_t)(p[P_WARP_NDIM] + 1);
         memcpy(field, &a, sizeof(a));
     }
+    for (int32_t k = 0; !batched && k < num_arrays; ++k) { /* the row twin: the arrays as they are (batch of 1) */
+        uint64_t data = (uint64_t)(uintptr_t)arrays[k].base;
+        memcpy(arrays[k].field + offsetof(wp_array_t, data), &data, sizeof(data));
+    }
     int32_t zero = 0;
     memcpy(args_struct + twin->first_batch_offset, &zero, 4);
     memcpy(args_struct + twin->first_row_offset, &zero, 4);
 
-    /* bounds: (batch, launch dims padded with 1 to the kernel's rank) */
+    /* bounds: ([batch,] launch dims padded with 1 to the kernel's rank) */
     const int64_t* dims = (const int64_t*)dims_attr->data;
     uint8_t bounds[64];
     memset(bounds, 0, sizeof(bounds));
     uint64_t per_batch = 1;
     uint32_t e32 = (uint32_t)num_batch;
-    memcpy(bounds, &e32, 4);
+    if (batched) memcpy(bounds, &e32, 4);
     for (int32_t i = 0; i < d->kernel_dim; ++i) {
         int64_t extent = i < (int32_t)dims_attr->size ? dims[i] : 1;
         per_batch *= (uint64_t)extent;
         e32 = (uint32_t)extent;
-        memcpy(bounds + 4 * (i + 1), &e32, 4);
+        memcpy(bounds + 4 * (i + batched), &e32, 4);
     }
     uint64_t total = per_batch * (uint64_t)num_batch;
     size_t size_field = (size_t)total, mult_field = 1;
@@ -932,13 +991,17 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
     size_t ret_bytes[64], partial_offset[64];
     uint8_t* ret_data[64];
     int32_t kinds[64];
-    if (workers > 1 && num_batch >= workers) {
+    if (workers > 1 && batched && num_batch >= workers) {
         c.split_dim = 0;
+        c.split_field = twin->first_batch_offset;
+        c.other_field = twin->first_row_offset;
         c.extent = num_batch;
         c.threads_per_index = (int64_t)per_batch;
     } else if (workers > 1 && num_batch == 1 && d->kernel_dim >= 1 && pk && d->num_rets[mode] <= 64 &&
                pk->num[mode] == d->num_rets[mode]) {
-        c.split_dim = 1;
+        c.split_dim = batched;
+        c.split_field = twin->first_row_offset;
+        c.other_field = twin->first_batch_offset;
         c.extent = (int64_t)(dims_attr->size >= 1 ? dims[0] : 1);
         c.threads_per_index = (int64_t)(per_batch / (uint64_t)(c.extent > 0 ? c.extent : 1));
         if (workers > c.extent) workers = (int)c.extent;
@@ -984,8 +1047,9 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
         return make_error(api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "warpnn: kernel '%s': out of host memory",
                           kname);
     c.scratch_args = scratch;
-    c.partials = c.split_dim == 1 && partial_stride ? scratch + structs : NULL;
-    if (c.split_dim == 0) c.num_rets = 0;
+    int by_rows = c.split_field == twin->first_row_offset;
+    c.partials = by_rows && partial_stride ? scratch + structs : NULL;
+    if (!by_rows) c.num_rets = 0;
     /* fewer threads than asked (thread creation failed) still cover the launch: slices follow the count used */
     int used = pool_run(cpu_split_launch, &c, workers);
     if (c.partials) {
@@ -1172,7 +1236,9 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
 
     /* ---- scratch: args struct, adjoint struct, array slots, CUDA parameter pointers */
     int32_t num_slots = d->num_slots[mode];
-    const TwinLayout* twin = atomic_load_explicit(&d->twin, memory_order_acquire);
+    /* the row twin for a CPU call without batch, the batched twin otherwise (see _batched.prepare_call) */
+    const int want_batched = cuda || num_batch > 1;
+    const TwinLayout* twin = twin_launch ? atomic_load_explicit(&d->twin[want_batched], memory_order_acquire) : NULL;
     size_t args_bytes = ((size_t)(twin && twin->args_size > d->args_size ? twin->args_size : d->args_size) + 15u) &
                         ~(size_t)15u;
     size_t need = 2 * args_bytes + sizeof(ArraySlot) * (size_t)num_slots + sizeof(void*) * (size_t)(num_slots + 1);
@@ -1350,7 +1416,8 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     /* ---- one launch of the batched twin for the whole batch; on the CPU, maybe cut into slices on several threads */
     if (twin_launch && twin && (int32_t)dims_attr->size <= d->kernel_dim && num_batch <= INT32_MAX &&
         (twin->tid_limit < 0 || num_batch <= twin->tid_limit)) {
-        DeviceEntry* te = atomic_load_explicit(cuda ? &d->twin_cuda[ordinal] : &d->twin_cpu, memory_order_acquire);
+        DeviceEntry* te = atomic_load_explicit(cuda ? &d->twin_cuda[want_batched][ordinal] : &d->twin_cpu[want_batched],
+                                               memory_order_acquire);
         void* tfn = te ? (mode ? te->backward : te->forward) : NULL;
         int flat = tfn != NULL && (!cuda || te->context == entry->context);
         for (int32_t k = 0; flat && k < num_arrays; ++k)
@@ -1374,6 +1441,23 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     if (cuda && !launch)
         FAIL(XLA_FFI_Error_Code_FAILED_PRECONDITION, "warpnn: kernel '%s': Warp's CUDA launcher is not set", kname);
     if (!cuda) pthread_mutex_lock(&g_cpu_launch_lock);
+    if (!cuda && !cpu_blocks && num_batch > 1) { /* the batch's elements on the CPU threads */
+        int threads = atomic_load(&g_cpu_threads);
+        int64_t min_work = atomic_load(&g_min_per_worker);
+        uint64_t by_work = total * (uint64_t)num_batch / (uint64_t)(min_work > 0 ? min_work : 1);
+        int workers = threads;
+        if ((uint64_t)workers > by_work) workers = (int)(by_work < 1 ? 1 : by_work);
+        if (workers > num_batch) workers = (int)num_batch;
+        uint8_t* scratch = workers > 1 ? cpu_scratch((size_t)workers * 2 * args_bytes) : NULL;
+        if (scratch) {
+            CpuLoop loop = {fn, mode, bounds, args_struct, args_bytes, arrays, num_arrays, batch, batch_rank,
+                            num_batch, scratch};
+            pool_run(cpu_loop_slice, &loop, workers);
+            atomic_fetch_add_explicit(&g_launches[mode], num_batch, memory_order_relaxed);
+            atomic_fetch_add_explicit(&g_threaded_launches, 1, memory_order_relaxed);
+            num_batch = 0; /* done: skip the loop below */
+        }
+    }
     for (int64_t b = 0; b < num_batch; ++b) {
         for (int32_t k = 0; k < num_arrays; ++k) {
             ArraySlot* as = &arrays[k];
