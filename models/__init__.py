@@ -1,1 +1,8 @@
-"""Reusable models built from warpnn layers (installed as ``warpnn_models``)."""
+"""Reusable models built from warpnn layers (installed as ``warpnn_models``).
+
+``warpnn_models.cloth`` (mass-spring cloth and soft bodies), ``warpnn_models.pointcloud`` (point-cloud
+deformation under Chamfer loss), ``warpnn_models.mesh`` (mesh obstacles and mesh generators). Each
+submodule is imported on demand: ``import warpnn_models.cloth``.
+"""
+
+__all__ = ["cloth", "mesh", "pointcloud"]

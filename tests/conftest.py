@@ -5,7 +5,7 @@ import jax
 import pytest
 import warp as wp
 
-wp.config.quiet = True
+wp.config.log_level = wp.LOG_WARNING  # Warp 1.19: no banner or module-load lines (wp.config.quiet is gone)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -43,7 +43,7 @@ def test_cli_writes_checkpoint_metrics_and_figures(tmp_path):
     assert metrics["final_loss"] < metrics["initial_loss"]
     assert_close(metrics["final_chamfer"], metrics["final_chamfer_reference"], rtol=1e-5)
 
-    config = dataclasses.replace(geometry.GeometryConfig(), width=32)
+    config = dataclasses.replace(geometry.GeometryConfig(), width=32, steps=20)
     checkpoint = geometry.load_checkpoint(out / "checkpoint.eqx", config)
     assert int(checkpoint["step"]) == 20
     template = jnp.asarray(geometry.sphere_points(256))

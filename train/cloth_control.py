@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -59,6 +58,7 @@ class ControlConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ControlConfig()
+    parser.set_defaults(steps=d.steps)
     g = parser.add_argument_group("cloth folding control")
     g.add_argument("--frames", type=int, default=d.frames, help="rollout steps")
     g.add_argument("--batch", type=int, default=d.batch, help="rollouts per training step")
@@ -183,8 +183,15 @@ def batch_loss(task: Task, policy: Policy, x0s, v0s) -> jax.Array:
     return jnp.mean(jax.vmap(one)(x0s, v0s))
 
 
-def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train ``policy`` in place with Adam; returns losses, held-out losses before/after and steps/s."""
+def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progress: bool = True, *,
+          resume_from: dict | None = None, save=None, checkpoint_every: int = 0,
+          stop_after: int | None = None) -> dict[str, Any]:
+    """Train ``policy`` in place with Adam; returns losses, held-out losses before/after and steps/s.
+
+    ``resume_from`` (a :func:`read_checkpoint` dict) continues an earlier call: its policy parameters,
+    optimiser state, random key, step and losses; ``save(checkpoint_dict)`` is called every
+    ``checkpoint_every`` steps and when training stops early (after step ``stop_after``).
+    """
     c = task.config
     steps = c.steps if steps is None else steps
     # Clipping guards against the rare exploding gradient of a long contact-rich rollout.
@@ -199,53 +206,89 @@ def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progr
         optimizer.update(policy, grads)
         return value
 
-    eval_initial = float(evaluate(policy))
+    # The held-out loss of the untrained policy (deterministic from the seed: rebuilt when resuming).
+    eval_initial = float(evaluate(policy if resume_from is None else make_policy(task, seed)))
+    key, start, losses = jax.random.PRNGKey(seed), 0, []
+    if resume_from is not None:
+        restore(policy, optimizer, resume_from)
+        key, start = jnp.asarray(resume_from["key"], jnp.uint32), int(resume_from["step"])
+        losses = common.losses_list(resume_from["losses"], start)
 
     def step(key):
         key, sub = jax.random.split(key)
         return key, update(policy, optimizer, sub)
 
-    key = jax.random.PRNGKey(seed)
-    if progress:
-        _, losses, steps_per_s = common.train_loop(step, key, steps, desc="cloth control")
-    else:
-        start, losses = time.perf_counter(), []
-        for _ in range(steps):
-            key, value = step(key)
-            losses.append(value)
-        losses = [float(v) for v in losses]
-        steps_per_s = steps / (time.perf_counter() - start) if steps else float("nan")
+    def checkpoint(key, done: int, new_losses: list[float]) -> None:
+        save(checkpoint_dict(policy, done, optimizer=optimizer, key=key, losses=losses + new_losses, steps=steps))
+
+    key, new_losses, steps_per_s = common.train_loop(
+        step, key, steps, "cloth control", start=start, progress=progress,
+        checkpoint=checkpoint if save is not None else None, checkpoint_every=checkpoint_every, stop_after=stop_after)
     eval_final = float(evaluate(policy))
-    return {"losses": losses, "eval_initial": eval_initial, "eval_final": eval_final, "steps_per_s": steps_per_s,
-            "optimizer": optimizer}
+    return {"losses": losses + new_losses, "eval_initial": eval_initial, "eval_final": eval_final,
+            "steps_per_s": steps_per_s, "optimizer": optimizer, "key": key}
 
 
-def checkpoint_bytes(policy: Policy, step: int) -> bytes:
-    """The policy's parameters and the step count as Flax msgpack bytes."""
-    return serialization.to_bytes({"params": nnx.to_pure_dict(nnx.state(policy, nnx.Param)), "step": step})
+CHECKPOINT = "checkpoint.msgpack"
+
+
+def checkpoint_dict(policy: Policy, step: int, *, optimizer: nnx.Optimizer | None = None, key=None,
+                    losses: list[float] = (), steps: int = 0) -> dict[str, Any]:
+    """What a checkpoint holds: policy parameters, steps done and, to resume training, the optimiser state,
+    the random key and the losses so far (NaN-padded to ``steps``)."""
+    tree: dict[str, Any] = {"params": nnx.to_pure_dict(nnx.state(policy, nnx.Param)), "step": step}
+    if optimizer is not None:
+        tree["opt_state"] = nnx.to_pure_dict(nnx.state(optimizer))
+        tree["key"] = np.asarray(key, np.uint32)
+        tree["losses"] = common.losses_array(list(losses), steps)
+    return tree
+
+
+def checkpoint_bytes(policy: Policy, step: int, **training_state) -> bytes:
+    """The policy's parameters and the step count (and, given ``optimizer``, ``key``, ``losses`` and
+    ``steps``, what resuming needs) as Flax msgpack bytes."""
+    return serialization.to_bytes(checkpoint_dict(policy, step, **training_state))
+
+
+def read_checkpoint(path) -> dict[str, Any]:
+    """A checkpoint written by :func:`run` as nested dicts of arrays (no template needed)."""
+    with open(path, "rb") as f:
+        return serialization.msgpack_restore(f.read())
+
+
+def restore(policy: Policy, optimizer: nnx.Optimizer | None, checkpoint: dict[str, Any]) -> None:
+    """Load a :func:`read_checkpoint` dict into ``policy`` (and ``optimizer``), which must match its shapes."""
+    state = nnx.state(policy, nnx.Param)
+    template = nnx.to_pure_dict(state)
+    nnx.replace_by_pure_dict(state, serialization.from_state_dict(template, checkpoint["params"]))
+    nnx.update(policy, state)
+    if optimizer is not None:
+        opt_state = nnx.state(optimizer)
+        template = nnx.to_pure_dict(opt_state)
+        nnx.replace_by_pure_dict(opt_state, serialization.from_state_dict(template, checkpoint["opt_state"]))
+        nnx.update(optimizer, opt_state)
 
 
 def load_checkpoint(path, policy: Policy) -> int:
     """Load parameters written by :func:`run` into ``policy`` (same architecture); returns the step count."""
-    template = {"params": nnx.to_pure_dict(nnx.state(policy, nnx.Param)), "step": 0}
-    with open(path, "rb") as f:
-        restored = serialization.from_bytes(template, f.read())
-    state = nnx.state(policy, nnx.Param)
-    nnx.replace_by_pure_dict(state, restored["params"])
-    nnx.update(policy, state)
-    return int(restored["step"])
+    checkpoint = read_checkpoint(path)
+    restore(policy, None, checkpoint)
+    return int(checkpoint["step"])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = config_from_args(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = common.run_dir(args, config)
     t0 = time.perf_counter()
     task = make_task(config)
     policy = make_policy(task, args.seed)
     untrained = make_policy(task, args.seed)  # zero output layer: applies no force
-    result = train(task, policy, args.seed)
-    common.atomic_write_bytes(out / "checkpoint.msgpack", checkpoint_bytes(policy, config.steps))
+    resume_from = read_checkpoint(out / CHECKPOINT) if out.resume else None
+    save = lambda tree: common.atomic_write_bytes(out / CHECKPOINT, serialization.to_bytes(tree))  # noqa: E731
+    result = train(task, policy, args.seed, resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every,
+                   stop_after=out.stop_after)
+    save(checkpoint_dict(policy, config.steps, optimizer=result["optimizer"], key=result["key"],
+                         losses=result["losses"], steps=config.steps))
 
     # A held-out initial state for the figures.
     x0, v0 = (a[0] for a in sample_initial_states(task, jax.random.PRNGKey(20_000 + args.seed), 1))
@@ -264,6 +307,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "loss_reduction": result["eval_initial"] / result["eval_final"],
         "final_edge_rmse_m": final_edge_error,
         "steps": config.steps,
+        "resumed_from_step": int(resume_from["step"]) if resume_from is not None else None,
         "steps_per_s": result["steps_per_s"],
         "particles": task.grid.positions.shape[0],
         "springs": task.grid.springs.shape[0],

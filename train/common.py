@@ -1,11 +1,18 @@
-"""What every training task shares: output folder, progress bar, atomic files, metrics, plots."""
+"""What every training task shares: the output folder of a run, the training loop (progress bar, periodic
+checkpoints, resume, stop), atomic files, metrics, plots."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import re
+import tempfile
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -14,6 +21,274 @@ from tqdm.auto import tqdm
 
 # Checkpoints, metrics and figures are written with the library's atomic writer (temp file, fsync, rename).
 from warpnn import atomic_write_bytes
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one run per folder is then the user's to keep
+    fcntl = None  # type: ignore[assignment]
+
+
+class UsageError(Exception):
+    """A mistake in how warpnn-train was called (or in what its --out holds): printed as one line, exit 2."""
+
+
+RUN_FILE = "run.json"  # which run a folder holds: task, seed and configuration (written before training)
+# What an earlier run leaves in its folder; any of them marks the folder as holding a run.
+RUN_MARKERS = (RUN_FILE, "metrics.json", "checkpoint.eqx", "checkpoint.msgpack")
+
+
+@dataclasses.dataclass
+class RunDir:
+    """The ``--out`` folder of one run: checked, claimed and cleaned before anything trains.
+
+    Attributes:
+        path: the folder.
+        identity: what makes two runs the same run (task, seed, configuration): a resumed run must match it.
+        resume: continue from the checkpoint in the folder.
+        checkpoint_every: save a resumable checkpoint every this many steps (0: only at the end).
+        stop_after: stop after this step, checkpointed, as if interrupted (None: run to the end).
+    """
+
+    path: Path
+    identity: dict[str, Any]
+    resume: bool = False
+    checkpoint_every: int = 0
+    stop_after: int | None = None
+    _lock: Any = dataclasses.field(default=None, repr=False)  # held open for the run: see _claim
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, identity: dict[str, Any], *, resume: bool = False,
+             overwrite: bool = False, checkpoint_every: int = 0, stop_after: int | None = None) -> RunDir:
+        """Claim ``path`` for the run ``identity``, before any training.
+
+        Creates the folder; checks that files can be written in it; removes temporary files that an earlier,
+        killed run left behind; refuses a folder that holds a different run (or any earlier run, unless
+        ``resume`` continues it or ``overwrite`` replaces it). Raises :class:`UsageError` with the fix.
+        """
+        folder = Path(path)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--out {folder}: cannot create the folder ({e.strerror}); choose another --out") from e
+        if not folder.is_dir():
+            raise UsageError(f"--out {folder}: exists and is not a folder; choose another --out")
+        _check_writable(folder)
+        lock = _claim(folder)
+        remove_stale_temporaries(folder)
+        identity = _to_builtin(identity)
+        run_dir = cls(folder, identity, resume, checkpoint_every, stop_after, lock)
+        earlier = run_dir.earlier_run()
+        if resume:
+            if earlier is None:
+                raise UsageError(f"--resume: {folder} holds no run to continue; run without --resume to start one")
+            if earlier != identity:
+                raise UsageError(f"--resume: {folder} holds a different run ({_differences(earlier, identity)}); "
+                                 "resume with the same options, or use another --out")
+        elif earlier is not None or any((folder / name).exists() for name in RUN_MARKERS):
+            if not overwrite:
+                what = "a different run" if earlier not in (None, identity) else "an earlier run"
+                detail = f" ({_differences(earlier, identity)})" if earlier not in (None, identity) else ""
+                raise UsageError(f"--out {folder} holds {what}{detail}: add --resume to continue it, --overwrite to "
+                                 "replace it, or choose another --out")
+            for name in RUN_MARKERS:  # a later --resume must never continue the replaced run's checkpoint
+                with contextlib.suppress(FileNotFoundError):
+                    (folder / name).unlink()
+        if not resume:
+            write_json(folder / RUN_FILE, identity)
+        return run_dir
+
+    def earlier_run(self) -> dict[str, Any] | None:
+        """The identity recorded by the run that wrote this folder, or None."""
+        try:
+            return json.loads((self.path / RUN_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--out {self.path}: cannot read {RUN_FILE} ({e}); use --overwrite or another --out") from e
+
+    def close(self) -> None:
+        """Release the folder (the end of the run; a process that exits releases it too)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+
+# Options that say how to run, not which run: they may differ between a run and its --resume.
+CONTROL_OPTIONS = frozenset({"task", "out", "device", "resume", "overwrite", "verbose", "checkpoint_every",
+                             "stop_after", "run_dir"})
+
+
+def run_identity(task: str, args: Any, config: Any = None) -> dict[str, Any]:
+    """What makes two runs the same run: the task, its configuration (a dataclass, if the task has one) and
+    every other option that is not a :data:`CONTROL_OPTIONS` one (seed, ...)."""
+    fields = set(config.__dataclass_fields__) if dataclasses.is_dataclass(config) else set()
+    options = {k: v for k, v in sorted(vars(args).items()) if k not in CONTROL_OPTIONS and k not in fields}
+    identity: dict[str, Any] = {"task": task, "options": options}
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        identity["config"] = dataclasses.asdict(config)
+    return _to_builtin(identity)
+
+
+def run_dir(args: Any, config: Any = None) -> RunDir:
+    """The run folder the CLI opened for ``args`` (``args.run_dir``), or, for a task's ``run(args)`` called
+    directly, one opened now from ``args.out`` and friends."""
+    opened = getattr(args, "run_dir", None)
+    if opened is not None:
+        return opened
+    return RunDir.open(args.out, run_identity(getattr(args, "task", "?"), args, config),
+                       resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False),
+                       checkpoint_every=getattr(args, "checkpoint_every", 0) or 0,
+                       stop_after=getattr(args, "stop_after", None))
+
+
+def _differences(earlier: dict[str, Any] | None, now: dict[str, Any]) -> str:
+    """``"seed 0 there, 1 now; config.lr 0.2 there, 0.1 now"``: where two run identities differ."""
+    if earlier is None:
+        return "no run.json"
+    flat_then, flat_now = _flatten(earlier), _flatten(now)
+    keys = sorted(set(flat_then) | set(flat_now))
+    diffs = [f"{k} {flat_then.get(k, '(unset)')} there, {flat_now.get(k, '(unset)')} now"
+             for k in keys if flat_then.get(k) != flat_now.get(k)]
+    return "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".warpnn-train-probe.", suffix=".tmp")
+    except OSError as e:
+        raise UsageError(f"--out {folder}: cannot write there ({e.strerror}); choose another --out") from e
+    os.close(fd)
+    os.unlink(probe)
+
+
+LOCK_FILE = ".warpnn-train.lock"
+# warpnn.atomic_write's temporary files: "." + the target's name + "." + mkstemp's 8 characters + ".tmp".
+_TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+
+
+def _claim(folder: Path):
+    """Lock ``folder`` for this process (released when it exits, however it exits): one run per folder."""
+    if fcntl is None:
+        return None
+    handle = open(folder / LOCK_FILE, "a")  # noqa: SIM115 - held for the life of the run
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        handle.close()
+        raise UsageError(f"--out {folder}: another warpnn-train is writing there; wait for it, or choose another "
+                         "--out") from e
+    return handle
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Remove the temporary files of atomic writes (``.NAME.XXXXXXXX.tmp``) that a killed run left in ``folder``.
+
+    Called with the folder's lock held, so no other warpnn-train is writing there.
+    """
+    removed = []
+    for tmp in folder.iterdir():
+        if _TEMPORARY.match(tmp.name) and tmp.is_file():
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------------
+# The training loop.
+
+
+def losses_array(losses: list[float], steps: int) -> np.ndarray:
+    """``losses`` padded with NaN to ``steps`` entries: a fixed-shape checkpoint leaf (float64, exact)."""
+    out = np.full((steps,), np.nan)
+    out[: len(losses)] = losses
+    return out
+
+
+def losses_list(array, step: int) -> list[float]:
+    """The first ``step`` losses of a checkpoint's loss array."""
+    return [float(v) for v in np.asarray(array)[:step]]
+
+
+# Set by the CLI's SIGINT / SIGTERM handler: the loop finishes the step it is in, checkpoints and stops.
+STOP_REQUESTED = threading.Event()
+
+
+class Stopped(Exception):
+    """A run stopped before its last step (``--stop-after``, Ctrl-C, SIGTERM), with a checkpoint to resume from."""
+
+    def __init__(self, step: int, total: int, reason: str):
+        super().__init__(f"stopped after step {step} of {total} ({reason})")
+        self.step, self.total, self.reason = step, total, reason
+
+
+def train_loop(
+    step: Callable[[Any], tuple[Any, float]],
+    state: Any,
+    num_steps: int,
+    desc: str,
+    log_every: int = 1,
+    *,
+    start: int = 0,
+    progress: bool = True,
+    checkpoint: Callable[[Any, int, list[float]], None] | None = None,
+    checkpoint_every: int = 0,
+    stop_after: int | None = None,
+) -> tuple[Any, list[float], float]:
+    """Run ``state, loss = step(state)`` for steps ``start .. num_steps - 1`` with a progress bar showing the
+    loss and steps/s.
+
+    ``checkpoint(state, steps_done, losses)`` (``losses``: those of the steps run here so far) is called every
+    ``checkpoint_every`` steps and, if the loop stops early (after step ``stop_after``, on Ctrl-C or SIGTERM),
+    once more before :class:`Stopped` is raised.
+
+    Returns the final state, the losses of the steps run here, and the steady-state steps per second (the
+    first step run here, which compiles, excluded).
+    """
+    losses: list[float] = []
+    stop = num_steps if stop_after is None else min(stop_after, num_steps)
+    bar = tqdm(range(start, stop), desc=desc, dynamic_ncols=True, mininterval=0.5, initial=start,
+               total=num_steps, disable=not progress)
+    t_start = None
+    done = start
+    for i in bar:
+        state, loss = step(state)
+        done = i + 1
+        if i == start:
+            jax.block_until_ready(loss)
+            t_start = time.perf_counter()
+        if i % log_every == 0 or i == num_steps - 1:
+            losses.append(float(loss))
+            bar.set_postfix(loss=f"{losses[-1]:.4g}", refresh=False)  # redraws follow mininterval
+        if STOP_REQUESTED.is_set():
+            break
+        if checkpoint is not None and checkpoint_every and done % checkpoint_every == 0 and done < num_steps:
+            checkpoint(state, done, losses)
+    bar.close()
+    jax.block_until_ready(state)
+    elapsed = time.perf_counter() - t_start if t_start is not None else 0.0
+    ran = done - start
+    steps_per_s = (ran - 1) / elapsed if ran > 1 and elapsed > 0 else float("nan")
+    if done < num_steps:
+        if checkpoint is not None:
+            checkpoint(state, done, losses)
+        raise Stopped(done, num_steps, "interrupted" if STOP_REQUESTED.is_set() else f"--stop-after {stop_after}")
+    return state, losses, steps_per_s
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -31,35 +306,6 @@ def _to_builtin(obj):
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
-
-
-def train_loop(
-    step: Callable[[Any], tuple[Any, float]],
-    state: Any,
-    num_steps: int,
-    desc: str,
-    log_every: int = 1,
-) -> tuple[Any, list[float], float]:
-    """Run ``state, loss = step(state)`` ``num_steps`` times with a progress bar showing loss and steps/s.
-
-    Returns the final state, the loss history and the steady-state steps per second (first step, which
-    compiles, excluded).
-    """
-    losses: list[float] = []
-    bar = tqdm(range(num_steps), desc=desc, dynamic_ncols=True, mininterval=0.5)
-    t_start = None
-    for i in bar:
-        state, loss = step(state)
-        if i == 0:
-            jax.block_until_ready(loss)
-            t_start = time.perf_counter()
-        if i % log_every == 0 or i == num_steps - 1:
-            losses.append(float(loss))
-            bar.set_postfix(loss=f"{losses[-1]:.4g}", refresh=False)  # redraws follow mininterval
-    jax.block_until_ready(state)
-    elapsed = time.perf_counter() - t_start if t_start is not None else 0.0
-    steps_per_s = (num_steps - 1) / elapsed if num_steps > 1 and elapsed > 0 else float("nan")
-    return state, losses, steps_per_s
 
 
 def environment() -> dict[str, Any]:

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import functools
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -30,16 +29,22 @@ from jax.sharding import PartitionSpec as P
 from warpnn_models.cloth import SPRING_KINDS, Cloth, ClothGrid
 
 from . import common
-from .cloth_sysid import (
+from .cloth_problem import (
     SysIdConfig,
     checkpoint_bytes,
+    checkpoint_tree,
     data_scales,
     initial_theta,
+    load_checkpoint,
+    make_optimizer,
     make_scene,
     relative_errors,
+    trail_rows,
     trajectory_error,
     with_log_params,
 )
+
+CHECKPOINT = "checkpoint.eqx"
 
 AXIS = "data"
 
@@ -140,42 +145,49 @@ def make_update(task: BatchedTask, optimizer: optax.GradientTransformation):
     return update
 
 
-def fit(task: BatchedTask, mesh: Mesh, steps: int, progress: bool = True) -> dict[str, Any]:
+def fit(task: BatchedTask, mesh: Mesh, steps: int, progress: bool = True, *, resume_from: dict | None = None,
+        save=None, checkpoint_every: int = 0, stop_after: int | None = None) -> dict[str, Any]:
     """Adam (cosine-decayed) on the log-parameters with the batch of cloths sharded over ``mesh``.
 
+    ``resume_from``, ``save``, ``checkpoint_every`` and ``stop_after`` work as in
+    :func:`warpnn_train.cloth_sysid.fit` (same checkpoint format).
+
     Returns:
-        ``theta``, ``opt_state``, ``losses``, ``steps_per_s`` (compile excluded), and throughput:
+        ``theta``, ``opt_state``, ``losses``, ``trail``, ``steps_per_s`` (compile excluded), and throughput:
         ``cloth_frames_per_s`` (simulated and differentiated frames of all cloths per second) and
         ``cloth_frames_per_s_per_device``.
     """
     config = task.config
-    optimizer = optax.adam(optax.cosine_decay_schedule(config.lr, max(steps, 1), alpha=0.01))
+    optimizer = make_optimizer(config, steps)
     update = make_update(task, optimizer)
-    theta = replicate(mesh, initial_theta(config))
     data = shard_batch(mesh, (task.v0, task.xs_obs, task.vs_obs))
+    if resume_from is None:
+        theta, start, losses = initial_theta(config), 0, []
+        opt_state = optimizer.init(theta)
+        trail = [theta]
+    else:
+        theta, opt_state, start = resume_from["theta"], resume_from["opt_state"], int(resume_from["step"])
+        losses, trail = common.losses_list(resume_from["losses"], start), trail_rows(resume_from)
 
     def step(state):
         theta, opt_state = state
         theta, opt_state, value = update(theta, opt_state, *data)
+        trail.append(theta)
         return (theta, opt_state), value
 
-    state = (theta, replicate(mesh, optimizer.init(initial_theta(config))))
-    if progress:
-        state, losses, steps_per_s = common.train_loop(step, state, steps, desc=f"cloth sysid x{mesh.size} devices")
-    else:
-        losses, start = [], time.perf_counter()
-        for i in range(steps):
-            state, value = step(state)
-            if i == 0:
-                jax.block_until_ready(value)
-                start = time.perf_counter()
-            losses.append(value)
-        jax.block_until_ready(state)
-        losses = [float(v) for v in losses]
-        steps_per_s = (steps - 1) / (time.perf_counter() - start) if steps > 1 else float("nan")
+    def checkpoint(state, done: int, new_losses: list[float]) -> None:
+        theta, opt_state = jax.device_get(state)
+        save(checkpoint_tree(with_log_params(task.true_cloth, theta), theta, opt_state, done, losses + new_losses,
+                             jax.device_get(trail), steps))
+
+    state = (replicate(mesh, theta), replicate(mesh, opt_state))
+    state, new_losses, steps_per_s = common.train_loop(
+        step, state, steps, f"cloth sysid x{mesh.size} devices", start=start, progress=progress,
+        checkpoint=checkpoint if save is not None else None, checkpoint_every=checkpoint_every, stop_after=stop_after)
     frames = steps_per_s * task.num_cloths * config.frames
-    return {"theta": state[0], "opt_state": state[1], "losses": losses, "steps_per_s": steps_per_s,
-            "cloth_frames_per_s": frames, "cloth_frames_per_s_per_device": frames / mesh.size}
+    return {"theta": state[0], "opt_state": state[1], "losses": losses + new_losses, "trail": jax.device_get(trail),
+            "steps_per_s": steps_per_s, "cloth_frames_per_s": frames,
+            "cloth_frames_per_s_per_device": frames / mesh.size}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,18 +204,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, config: SysIdConfig) -> dict[str, Any]:
     """Fit on ``args.devices * args.cloths_per_device`` cloths; write checkpoint, metrics.json and loss.png."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = common.run_dir(args, config)
     t0 = time.perf_counter()
     mesh = device_mesh(args.devices)
     if args.cloths_per_device < 1:
         raise ValueError(f"--cloths-per-device must be >= 1, got {args.cloths_per_device}.")
     task = make_batched_task(config, args.cloths_per_device * mesh.size, seed=args.seed, mesh=mesh)
-    result = fit(task, mesh, config.steps)
+    resume_from = load_checkpoint(out / CHECKPOINT, task.true_cloth, config) if out.resume else None
+    save = lambda tree: common.atomic_write_bytes(out / CHECKPOINT, checkpoint_bytes(tree))  # noqa: E731
+    result = fit(task, mesh, config.steps, resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every,
+                 stop_after=out.stop_after)
     theta = jax.device_get(result["theta"])
     fitted = with_log_params(task.true_cloth, theta)
-    common.atomic_write_bytes(out / "checkpoint.eqx",
-                              checkpoint_bytes(fitted, theta, jax.device_get(result["opt_state"]), config.steps))
+    save(checkpoint_tree(fitted, theta, jax.device_get(result["opt_state"]), config.steps, result["losses"],
+                         result["trail"], config.steps))
     errors = relative_errors(theta, config)
     metrics = {
         "task": "cloth_sysid_data_parallel",
@@ -219,6 +233,7 @@ def run(args: argparse.Namespace, config: SysIdConfig) -> dict[str, Any]:
         "rel_error": {f"{name}_{kind}": float(errors[name][m]) for name in ("stiffness", "damping")
                       for m, kind in enumerate(SPRING_KINDS)},
         "steps": config.steps,
+        "resumed_from_step": int(resume_from["step"]) if resume_from is not None else None,
         "steps_per_s": result["steps_per_s"],
         "cloth_frames_per_s": result["cloth_frames_per_s"],
         "cloth_frames_per_s_per_device": result["cloth_frames_per_s_per_device"],

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import io
 import time
-from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -54,6 +53,7 @@ class GeometryConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GeometryConfig()
+    parser.set_defaults(steps=d.steps)
     g = parser.add_argument_group("geometry (sphere -> torus under Chamfer loss)")
     g.add_argument("--template-points", type=int, default=d.template_points, help="points on the template sphere")
     g.add_argument("--target-points", type=int, default=d.target_points, help="points sampled on the target torus")
@@ -91,8 +91,19 @@ def make_task(config: GeometryConfig = GeometryConfig(), seed: int = 0) -> Task:
     return Task(config, template, target)
 
 
-def fit(task: Task, seed: int = 0, steps: int | None = None, progress: bool = True) -> dict[str, Any]:
+def make_optimizer(config: GeometryConfig, steps: int) -> optax.GradientTransformation:
+    """Adam with a cosine-decayed learning rate over ``steps`` steps."""
+    return optax.adam(optax.cosine_decay_schedule(config.lr, max(steps, 1), alpha=0.05))
+
+
+def fit(task: Task, seed: int = 0, steps: int | None = None, progress: bool = True, *,
+        resume_from: dict | None = None, save=None, checkpoint_every: int = 0,
+        stop_after: int | None = None) -> dict[str, Any]:
     """Train a :class:`PointDeformer` on ``task`` with Adam (cosine-decayed learning rate).
+
+    ``resume_from`` (a :func:`load_checkpoint` dict) continues an earlier fit: model, optimiser state, step
+    and losses; ``save(checkpoint_tree)`` is called every ``checkpoint_every`` steps and when the fit stops
+    early (after step ``stop_after``).
 
     Returns:
         A dict with ``model``, ``opt_state``, ``losses`` (one per step) and ``steps_per_s``.
@@ -100,8 +111,7 @@ def fit(task: Task, seed: int = 0, steps: int | None = None, progress: bool = Tr
     config = task.config
     steps = config.steps if steps is None else steps
     loss_fn = chamfer if config.loss == "warp" else chamfer_reference
-    model = PointDeformer(jax.random.PRNGKey(seed), width=config.width, depth=config.depth)
-    optimizer = optax.adam(optax.cosine_decay_schedule(config.lr, max(steps, 1), alpha=0.05))
+    optimizer = make_optimizer(config, steps)
 
     @eqx.filter_jit
     def update(model, opt_state):
@@ -114,50 +124,61 @@ def fit(task: Task, seed: int = 0, steps: int | None = None, progress: bool = Tr
         model, opt_state, value = update(model, opt_state)
         return (model, opt_state), value
 
-    state = (model, optimizer.init(eqx.filter(model, eqx.is_array)))
-    if progress:
-        (model, opt_state), losses, steps_per_s = common.train_loop(step, state, steps, desc="geometry")
+    if resume_from is None:
+        model = PointDeformer(jax.random.PRNGKey(seed), width=config.width, depth=config.depth)
+        state, start, losses = (model, optimizer.init(eqx.filter(model, eqx.is_array))), 0, []
     else:
-        values = []
-        start = time.perf_counter()
-        for _ in range(steps):
-            state, value = step(state)
-            values.append(value)
-        model, opt_state = jax.block_until_ready(state)
-        losses = [float(v) for v in values]
-        steps_per_s = steps / (time.perf_counter() - start) if steps else float("nan")
-    return {"model": model, "opt_state": opt_state, "losses": losses, "steps_per_s": steps_per_s}
+        state, start = (resume_from["model"], resume_from["opt_state"]), int(resume_from["step"])
+        losses = common.losses_list(resume_from["losses"], start)
+
+    def checkpoint(state, done: int, new_losses: list[float]) -> None:
+        save(checkpoint_tree(*state, done, losses + new_losses, steps))
+
+    (model, opt_state), new_losses, steps_per_s = common.train_loop(
+        step, state, steps, "geometry", start=start, progress=progress,
+        checkpoint=checkpoint if save is not None else None, checkpoint_every=checkpoint_every, stop_after=stop_after)
+    return {"model": model, "opt_state": opt_state, "losses": losses + new_losses, "steps_per_s": steps_per_s}
 
 
 # --------------------------------------------------------------------------------------------------
-# The main job: fit, then checkpoint, metrics.json and figures.
+# The main job: fit (or continue a fit), then checkpoint, metrics.json and figures.
+
+CHECKPOINT = "checkpoint.eqx"
 
 
-def checkpoint_bytes(model: PointDeformer, opt_state, step: int) -> bytes:
-    """Model, optimiser state and step count as Equinox-serialised bytes."""
+def checkpoint_tree(model: PointDeformer, opt_state, step: int, losses: list[float], steps: int) -> dict[str, Any]:
+    """What a checkpoint holds: model, optimiser state, steps done and the losses so far (NaN-padded)."""
+    return {"model": model, "opt_state": opt_state, "step": jnp.asarray(step),
+            "losses": common.losses_array(losses, steps)}
+
+
+def checkpoint_bytes(tree: dict[str, Any]) -> bytes:
+    """A :func:`checkpoint_tree` as Equinox-serialised bytes."""
     buf = io.BytesIO()
-    eqx.tree_serialise_leaves(buf, {"model": model, "opt_state": opt_state, "step": jnp.asarray(step)})
+    eqx.tree_serialise_leaves(buf, tree)
     return buf.getvalue()
 
 
 def load_checkpoint(path, config: GeometryConfig = GeometryConfig()) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`run` (the config gives the model's shape)."""
+    """Read a checkpoint written by :func:`run` for ``config`` (which gives the model's shape and the steps)."""
     model = PointDeformer(jax.random.PRNGKey(0), width=config.width, depth=config.depth)
-    optimizer = optax.adam(config.lr)
-    like = {"model": model, "opt_state": optimizer.init(eqx.filter(model, eqx.is_array)), "step": jnp.asarray(0)}
+    optimizer = make_optimizer(config, config.steps)
+    like = checkpoint_tree(model, optimizer.init(eqx.filter(model, eqx.is_array)), 0, [], config.steps)
     with open(path, "rb") as f:
         return eqx.tree_deserialise_leaves(f, like)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = config_from_args(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = common.run_dir(args, config)
     t0 = time.perf_counter()
     task = make_task(config, seed=args.seed)
-    result = fit(task, seed=args.seed)
+    resume_from = load_checkpoint(out / CHECKPOINT, config) if out.resume else None
+    save = lambda tree: common.atomic_write_bytes(out / CHECKPOINT, checkpoint_bytes(tree))  # noqa: E731
+    result = fit(task, seed=args.seed, resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every,
+                 stop_after=out.stop_after)
     model = result["model"]
-    common.atomic_write_bytes(out / "checkpoint.eqx", checkpoint_bytes(model, result["opt_state"], config.steps))
+    save(checkpoint_tree(model, result["opt_state"], config.steps, result["losses"], config.steps))
 
     final = eqx.filter_jit(lambda m, x: m(x))(model, task.template)
     losses = result["losses"]
@@ -172,6 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "final_chamfer": float(chamfer(final, task.target)),
         "final_chamfer_reference": float(chamfer_reference(final, task.target)),
         "steps": config.steps,
+        "resumed_from_step": int(resume_from["step"]) if resume_from is not None else None,
         "steps_per_s": result["steps_per_s"],
         "wall_time_s": time.perf_counter() - t0,
         **common.environment(),

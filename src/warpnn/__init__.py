@@ -8,6 +8,10 @@ from ._bridge import WarpKernel as WarpKernel
 from ._bridge import jax_kernel as jax_kernel
 from ._binding import Binding as Binding
 from ._binding import bind as bind
+from ._checked import KernelIndexError as KernelIndexError
+from ._checked import checked as checked
+from ._checked import is_checked as is_checked
+from ._checked import set_checked as set_checked
 from ._cuda_graphs import enable_cuda_graph_capture as enable_cuda_graph_capture
 from ._devices import jax_warp_device as jax_warp_device
 from ._io import atomic_write as atomic_write
@@ -16,4 +20,22 @@ from ._io import atomic_write_bytes as atomic_write_bytes
 # Layers for each framework are submodules, imported on demand so that warpnn needs neither Flax nor
 # Equinox to import: warpnn.equinox.WarpLayer, warpnn.nnx.WarpLayer, warpnn.linen.WarpLayer.
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it from here
+
+# Every public name, for `from warpnn import *`, help(warpnn) and the API reference (docs/api/warpnn.md
+# renders exactly these). Add a name here when you re-export it above.
+__all__ = [
+    "SECOND_ORDER_MESSAGE",
+    "Binding",
+    "KernelIndexError",
+    "WarpKernel",
+    "atomic_write",
+    "atomic_write_bytes",
+    "bind",
+    "checked",
+    "enable_cuda_graph_capture",
+    "is_checked",
+    "jax_kernel",
+    "jax_warp_device",
+    "set_checked",
+]

@@ -15,7 +15,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _sharding
+from . import _checked, _sharding
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
@@ -160,7 +160,7 @@ class WarpKernel:
             first = next((i for i, s in enumerate(sig.inputs) if s.is_array and args[i] is not None), None)
             if first is None:
                 raise ValueError(
-                    f"Kernel '{sig.key}' has no array input to take its launch dims from: pass launch_dims=..."
+                    f"Kernel '{sig.key}' has no array argument to take its launch dims from: pass launch_dims=..."
                 )
             dims = tuple(np.shape(args[first])[: sig.inputs[first].warp_ndim])
         dims = _normalize_dims(dims, "launch_dims", sig)
@@ -176,6 +176,8 @@ class WarpKernel:
         plan = _CallPlan(call_sig, scalars, dims, out_shapes, self.has_side_effect, self.enable_backward)
         # Under shard_map, every operand must vary over the same mesh axes before the custom VJP, so that the
         # adjoint of a replicated parameter is psum-ed by JAX's transpose of pvary (a no-op elsewhere).
+        if _checked.is_checked():  # index-checked variant of the kernel (warpnn.checked())
+            return _checked.call(plan, _sharding.match_vma(arrays), _differentiable_call)
         return tuple(_differentiable_call(plan, *_sharding.match_vma(arrays)))
 
 
@@ -249,6 +251,8 @@ def jax_kernel(
         kernel, num_outputs, vmap_method, _hashable(launch_dims), _hashable(output_dims),
         tuple(in_out_argnames) if in_out_argnames else None, module_preload_mode,
         True if enable_backward is None else bool(enable_backward), bool(has_side_effect), block_dim,
+        # an explicit block_dim means more than one CPU thread per block only with CPU blocks on
+        bool(wp.config.enable_cpu_blocks) if block_dim is not None else None,
     )
     try:
         hash(key)
@@ -293,6 +297,12 @@ def _check_vmap_method(vmap_method, sig: KernelSignature):
 def _check_writes(sig: KernelSignature) -> None:
     for name in sig.written_inputs:
         use = sig.uses[name]
+        if "." in name:
+            raise TypeError(
+                f"Kernel '{sig.key}' writes (or may write: {use.undecided or 'see its source'}) the array '{name}' held in a "
+                "struct argument. Struct fields are inputs XLA owns and cannot be in-out. Fix: pass that array as its "
+                "own kernel argument and declare it in_out_argnames=[...], or write to an output array."
+            )
         if use.undecided is not None:
             raise TypeError(UNDECIDED_INPUT_MESSAGE.format(key=sig.key, name=name, reason=use.undecided))
         write = use.first("store", "accumulate", "read-write")
@@ -309,7 +319,7 @@ def _check_launch_fits(sig: KernelSignature, dims, input_shapes: Mapping[str, tu
     if sig.kernel_has_return:
         return
     for name, shape in (*input_shapes.items(), *output_shapes.items()):
-        spec = next(s for s in (*sig.inputs, *sig.outputs) if s.name == name)
+        spec = next(s for s in (*sig.input_leaves, *sig.outputs) if s.name == name)
         if spec.warp_ndim != len(dims):
             continue
         access = next((a for a in sig.uses[name].accesses if a.own_element and a.top_level), None)
@@ -326,6 +336,11 @@ def _check_launch_fits(sig: KernelSignature, dims, input_shapes: Mapping[str, tu
 
 
 def _check_platform(sig: KernelSignature) -> None:
+    if jax.default_backend() == "gpu" and not wc.runtime().is_cuda_enabled:
+        raise RuntimeError(
+            f"Kernel '{sig.key}': JAX computes on a GPU, but this Warp build does not include CUDA support. Install "
+            "a warp-lang wheel built with CUDA, or run the call on the CPU (jax.default_device)."
+        )
     if jax.default_backend() == "cpu" and not wp.is_cpu_available():
         raise RuntimeError(
             f"Kernel '{sig.key}': JAX computes on the CPU, but this Warp build does not include CPU support (its CPU "
@@ -358,14 +373,15 @@ def _preload(sig: KernelSignature, mode) -> None:
 
 
 def _check_inputs(sig: KernelSignature, args: tuple):
-    """The operands (array inputs that are not None), the static scalars, and the names of None inputs."""
+    """The operands (array inputs that are not None, struct fields included), the static scalars, and the names
+    of None inputs."""
     if len(args) != len(sig.inputs):
         raise TypeError(
             f"Kernel '{sig.key}' takes {len(sig.inputs)} inputs {list(sig.input_names)} (its outputs "
             f"{list(sig.output_names)} are returned, not passed), but was called with {len(args)}."
         )
     arrays, scalars, nulls = [], [], []
-    for spec, value in zip(sig.inputs, args):
+    for spec, value in _leaf_values(sig, sig.inputs, args):
         if spec.is_array:
             if value is None:
                 if spec.name in sig.in_out_names:
@@ -376,6 +392,34 @@ def _check_inputs(sig: KernelSignature, args: tuple):
         else:
             scalars.append((spec.name, _check_scalar(sig, spec, value)))
     return arrays, tuple(scalars), frozenset(nulls)
+
+
+def _leaf_values(sig: KernelSignature, specs, values):
+    """(leaf spec, value) for every array and scalar, a struct's fields taken from a dict (or attributes)."""
+    for spec, value in zip(specs, values):
+        if not spec.is_struct:
+            yield spec, value
+            continue
+        names = [f.name.rsplit(".", 1)[-1] for f in spec.fields]
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - set(names))
+            missing = [n for n in names if n not in value]
+            if unknown or missing:
+                raise TypeError(
+                    f"Kernel '{sig.key}', argument '{spec.name}' is the wp.struct {spec.warp_type.key} with fields "
+                    f"{names}; the dict passed for it " + (f"lacks {missing}" if missing else "")
+                    + (" and " if missing and unknown else "") + (f"has unknown keys {unknown}" if unknown else "")
+                    + ". Pass a dict with exactly its fields (arrays as JAX arrays, scalars as Python numbers)."
+                )
+            field_values = [value[n] for n in names]
+        elif value is not None and all(hasattr(value, n) for n in names):
+            field_values = [getattr(value, n) for n in names]
+        else:
+            raise TypeError(
+                f"Kernel '{sig.key}', argument '{spec.name}' is the wp.struct {spec.warp_type.key}: pass a dict of its "
+                f"fields {names} (arrays as JAX arrays, scalars as Python numbers), got {type(value).__name__}."
+            )
+        yield from _leaf_values(sig, spec.fields, field_values)
 
 
 def _check_array(sig: KernelSignature, spec: ArgSpec, value) -> jax.Array:
@@ -529,8 +573,9 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     # size 1 when unbatched, and the launcher launches per batch element instead of folding the batch into
     # Warp's dims), wrapped in a primitive that keeps a sharded vmap batch sharded under jax.jit (each
     # device launches its own batch elements) and types outputs under shard_map: see _sharding.py.
+    name = f"warpnn kernel '{plan.sig.key}' ({'adjoint' if adjoint else 'forward'})"
     results = _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, _fence(operands), plan.attrs(),
-                                 aliases=aliases, has_side_effect=plan.has_side_effect and not adjoint,
+                                 aliases=aliases, has_side_effect=plan.has_side_effect and not adjoint, name=name,
                                  kernel=(plan.sig, adjoint))
     return _fence(results)
 
@@ -548,7 +593,10 @@ def _fence(values) -> list[jax.Array]:
     4096-element kernel went from 21-26 µs to 15 µs (pure JAX in the same process: 12-16 µs). Outside
     loops, and on the CPU, the barrier costs nothing: it only orders operations.
     """
-    return list(jax.lax.optimization_barrier(tuple(values))) if values else list(values)
+    if not values or jax.config.jax_debug_nans or jax.config.jax_debug_infs:
+        # Debugging NaNs runs operations one by one, checking each: a barrier would be blamed for NaNs it passes on.
+        return list(values)
+    return list(jax.lax.optimization_barrier(tuple(values)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

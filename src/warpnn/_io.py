@@ -16,13 +16,16 @@ def atomic_write(path: str | os.PathLike) -> Iterator[IO[bytes]]:
 
     Writes go to a temporary file in the same folder (so the final rename never crosses file systems),
     which is flushed, fsynced and renamed over ``path`` with ``os.replace``; on error it is removed and
-    ``path`` is untouched. Works with writers that take a file, e.g.
+    ``path`` is untouched. The file gets the permissions of the file it replaces, or those the user's umask
+    gives a new file (``open`` would give), not the owner-only 0600 of a temporary file. Works with writers that take a file, e.g.
     ``with warpnn.atomic_write("model.eqx") as f: eqx.tree_serialise_leaves(f, model)``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        with contextlib.suppress(OSError, AttributeError):  # best effort: no os.fchmod on Windows
+            os.fchmod(fd, _mode_for(path))
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -38,6 +41,26 @@ def atomic_write(path: str | os.PathLike) -> Iterator[IO[bytes]]:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _mode_for(path: Path) -> int:
+    """The permission bits ``path`` should get: those of the file it replaces, else 0o666 less the umask."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    # Reading the umask means setting it; /proc tells it without that (Linux >= 4.7), so other threads
+    # creating files meanwhile never see a changed umask.
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

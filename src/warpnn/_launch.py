@@ -38,6 +38,7 @@ import warp as wp
 
 from . import _warp_compat as wc
 from ._devices import trace_devices
+from ._ffi_attrs import LAUNCH_DIMS_ATTR, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature
 
 ffi = wc.xla_ffi
@@ -46,9 +47,6 @@ _PLATFORMS = ("cpu", "CUDA")  # JAX platform names for register_ffi_target are c
 # XLA may call handlers from several threads (one per device); Warp's module loading is not thread-safe.
 _HANDLER_LOCK = threading.Lock()
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(ffi.XLA_FFI_CallFrame))
-
-SCALAR_ATTR_PREFIX = "arg_"
-LAUNCH_DIMS_ATTR = "launch_dims"
 
 
 class _Buffer:
@@ -94,22 +92,47 @@ def _scalar_value(spec: ArgSpec, attrs: dict, adjoint_slot: bool):
     return ctype(0) if adjoint_slot else ctype(attrs[SCALAR_ATTR_PREFIX + spec.name])
 
 
+DETERMINISTIC_MESSAGE = (
+    "Kernel '{key}' was compiled in Warp's deterministic mode ({mode}, from wp.config.deterministic or its "
+    "module's 'deterministic' option) and uses atomics (its own, or its adjoint's accumulation into input "
+    "gradients). On CUDA, Warp launches such kernels through its own multi-pass launcher, with hidden kernel "
+    "parameters (a phase flag, an overflow flag, one scatter-record buffer per atomic target) and a "
+    "sort-reduce pass after the launch; warpnn's launchers do not provide them, and launching the kernel "
+    "without them would be undefined behaviour, so warpnn refuses. Fix: compile this kernel's module without "
+    "deterministic mode (wp.set_module_options({{'deterministic': wp.DeterministicMode.NOT_GUARANTEED}}) in "
+    "the Python module that defines it, or @wp.kernel(module_options={{'deterministic': "
+    "wp.DeterministicMode.NOT_GUARANTEED}})), or run it on the CPU, where Warp's atomics are sequential and "
+    "warpnn's results are bitwise reproducible from run to run."
+)
+
+
+def refuse_deterministic(kernel, hooks, on_cuda: bool) -> None:
+    """Raise if ``hooks`` are CUDA code that Warp's deterministic mode gave hidden parameters (see the message)."""
+    meta = getattr(hooks, "det_launch_meta", None)
+    if on_cuda and meta is not None and meta.needs_deterministic:
+        mode = getattr(meta.determinism_mode, "name", meta.determinism_mode)
+        raise NotImplementedError(DETERMINISTIC_MESSAGE.format(key=kernel.key, mode=mode))
+
+
 class _LoadedKernel:
     """A kernel's entry points on one device, plus launch bounds cached per launch dims."""
 
-    __slots__ = ("module_exec", "hooks", "block_dim", "_bounds")
+    __slots__ = ("kernel", "module_exec", "hooks", "block_dim", "_bounds")
 
     def __init__(self, kernel, device, block_dim=None):
+        self.kernel = kernel  # _LOADED is keyed by id(kernel): keep the id from being reused
         # Warp's FFI convention: one thread per block on the CPU (cooperative blocks are far slower
         # for plain kernels; honoured above one with wp.config.enable_cpu_blocks), 256 on CUDA.
         block_dim = wc.resolve_block_dim(device, block_dim)
         module_exec = kernel.module.load(device, block_dim)
         if module_exec is None:
             raise RuntimeError(f"Failed to load Warp module '{kernel.module.name}' on device '{device}' (kernel '{kernel.key}')")
-        # Keep the module loaded: if Warp rebuilds it (a kernel added to the same Python module later),
-        # dropping this reference would unload the code `hooks` points into.
+        # Keep the module loaded for the life of the process: if Warp rebuilds it (a kernel added to the same
+        # Python module later), this launcher goes on launching this ModuleExec's code, and dropping the last
+        # reference would unload the code `hooks` points into. (_LOADED entries are never replaced.)
         self.module_exec = module_exec
         self.hooks = module_exec.get_kernel_hooks(kernel)
+        refuse_deterministic(kernel, self.hooks, device.is_cuda)
         self.block_dim = module_exec.block_dim
         self._bounds: dict[tuple[int, ...], Any] = {}
 
@@ -123,14 +146,19 @@ class _LoadedKernel:
 
 
 _LOADED: dict[tuple[int, Any, Any], _LoadedKernel] = {}
+# Tracing threads and handler threads may load at once; Warp's module loading is not thread-safe.
+_LOAD_LOCK = threading.RLock()
 
 
 def load_kernel(kernel, device, block_dim=None) -> _LoadedKernel:
     """Load (once per device and block dim) the Warp module holding ``kernel``; also used at trace time to preload."""
-    key = (id(kernel), device.context if device.is_cuda else "cpu", block_dim)
+    key = (id(kernel), device.context if device.is_cuda else "cpu", wc.resolve_block_dim(device, block_dim))
     loaded = _LOADED.get(key)
     if loaded is None:
-        loaded = _LOADED[key] = _LoadedKernel(kernel, device, block_dim)
+        with _LOAD_LOCK:
+            loaded = _LOADED.get(key)
+            if loaded is None:
+                loaded = _LOADED[key] = _LoadedKernel(kernel, device, block_dim)
     return loaded
 
 
@@ -241,6 +269,8 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
         adjoints = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(returned)}
         primal = {**inputs, **outputs}
         grads = {s.name: adjoints[s.name] for s in sig.carried_adjoints}
+        # Warp's adjoint of a struct's array field accumulates into the field's `grad` (as wp.Tape sets it up)
+        grads.update({s.name: adjoints[s.name] for s in sig.adjoint_inputs if "." in s.name})
         adjoints = {**cts, **adjoints}  # a result's cotangent, unless its adjoint is carried
         zeroed = [adjoints[s.name] for s in sig.adjoint_inputs]
         result_list = [adjoints[s.name] for s in returned]
@@ -267,19 +297,32 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
     # Every result carries the full vmap batch (XLA's expand_dims batching), so it defines the batch shape.
     batch_shape = result_list[0].batch_dims if result_list else ()
     params_specs = (*sig.inputs, *sig.outputs)
-    slots = [(primal.get(s.name), s, False, grads.get(s.name)) for s in params_specs]
-    if adjoint:  # Warp's backward entry takes the primal arguments, then one adjoint per argument
-        slots += [(adjoints.get(s.name), s, True, None) for s in params_specs]
-    slot_offsets = [buf.batch_offsets(batch_shape) if buf is not None else None for buf, _, _, _ in slots]
-    grad_offsets = [g.batch_offsets(batch_shape) if g is not None else None for _, _, _, g in slots]
+    leaves = (*sig.input_leaves, *sig.outputs)
+    primal_slots = {s.name: (primal.get(s.name), grads.get(s.name)) for s in leaves}
+    adjoint_slots = {s.name: (adjoints.get(s.name), None) for s in leaves}
+    offsets = {}
+    for table in (primal_slots, adjoint_slots):
+        for buf, grad in table.values():
+            for b in (buf, grad):
+                if b is not None and id(b) not in offsets:
+                    offsets[id(b)] = b.batch_offsets(batch_shape)
+
+    def value(spec, table, is_adjoint, b):
+        if spec.is_struct:  # Warp's struct ctype, its fields filled the same way (adjoint: gradient arrays)
+            struct = spec.warp_type.ctype()
+            for field in spec.fields:
+                setattr(struct, field.name.rsplit(".", 1)[-1], value(field, table, is_adjoint, b))
+            return struct
+        if not spec.is_array:
+            return _scalar_value(spec, attrs, adjoint_slot=is_adjoint)
+        buf, grad = table[spec.name]
+        return _array_desc(buf, spec, offsets[id(buf)][b] if buf is not None else 0,
+                           grad, offsets[id(grad)][b] if grad is not None else 0)
 
     for b in range(math.prod(batch_shape)):
-        params = [bounds]
-        for (buf, spec, is_adjoint, grad), offs, goffs in zip(slots, slot_offsets, grad_offsets):
-            if spec.is_array:
-                params.append(_array_desc(buf, spec, offs[b] if offs else 0, grad, goffs[b] if goffs else 0))
-            else:
-                params.append(_scalar_value(spec, attrs, adjoint_slot=is_adjoint))
+        params = [bounds] + [value(s, primal_slots, False, b) for s in params_specs]
+        if adjoint:  # Warp's backward entry takes the primal arguments, then one adjoint per argument
+            params += [value(s, adjoint_slots, True, b) for s in params_specs]
         _run(sig.kernel, hooks, params, adjoint, device, stream, block_dim, core)
 
 

@@ -50,7 +50,8 @@ import warp as wp
 
 from . import _warp_compat as wc
 from ._devices import trace_devices
-from ._launch import SCALAR_ATTR_PREFIX
+from ._ffi_attrs import SCALAR_ATTR_PREFIX
+from ._launch import _LOAD_LOCK, refuse_deterministic
 from ._signature import ArgSpec, KernelSignature
 from . import _batched
 
@@ -65,7 +66,7 @@ ADJOINT_TARGET = "warpnn_native_adjoint"
 KERNEL_ID_ATTR = "kernel_id"
 
 # Columns of the parameter table (must match the P_* enum in warpnn_ffi.c).
-_P_NCOLS = 14
+_P_NCOLS = 15
 _KIND_INT, _KIND_UINT, _KIND_FLOAT, _KIND_HALF, _KIND_BOOL, _KIND_BF16 = range(6)
 
 # Warp's array_t as the C side mirrors it: (field, offset); checked against warp's ctypes definition.
@@ -262,10 +263,25 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
     Needs the kernel's module hashed (``kernel.adj.kernel_dim``), i.e. loaded on some device.
     """
     kernel = sig.kernel
-    params = (*sig.inputs, *sig.outputs)
-    # The struct Warp's `invoke` builds: one field per parameter, array_t or the scalar's ctype.
-    fields = [(s.name, wc.array_t if s.is_array else s.warp_type._type_) for s in params]
+    # The struct Warp's `invoke` builds: one field per parameter, array_t, the scalar's ctype or the wp.struct's.
+    top = (*sig.inputs, *sig.outputs)
+    fields = [(s.name, wc.array_t if s.is_array else s.warp_type.ctype if s.is_struct else s.warp_type._type_)
+              for s in top]
     args_struct = type("ArgsStruct", (ctypes.Structure,), {"_fields_": fields})
+    params = (*sig.input_leaves, *sig.outputs)  # one table row per array or scalar, struct fields included
+    first_leaves = {id(a.leaves[0]) for a in top if a.leaves}
+
+    def starts_param(leaf) -> int:
+        return int(id(leaf) in first_leaves)  # a struct's first field lies at the struct's own offset
+
+    def field_offset(leaf) -> int:
+        # a struct field's offset: its parameter's, plus the offset of each field on its path
+        name, *path = leaf.name.split(".")
+        offset, ctype = getattr(args_struct, name).offset, dict(fields)[name]
+        for attr in path:
+            offset += getattr(ctype, attr).offset
+            ctype = dict(ctype._fields_)[attr]
+        return offset
 
     # Buffer order (see _bridge._ffi_call): forward args = array inputs, rets = in-out arrays then outputs;
     # adjoint args = array inputs, primal outputs, cotangents of float results; adjoint rets = adjoints of
@@ -279,10 +295,11 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
     carried = {s.name for s in sig.carried_adjoints}
     rows, attr_names = [], []
     for i, s in enumerate(params):
-        offset = getattr(args_struct, s.name).offset
+        offset = field_offset(s)
         if not s.is_array:
             ctype = s.warp_type._type_
-            rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype), 0, 0, 0])
+            rows.append([0, offset, 0, 0, 0, 0, 0, 0, 0, _scalar_kind(s), ctypes.sizeof(ctype), 0, 0, 0,
+                         starts_param(s)])
             attr_names.append((SCALAR_ATTR_PREFIX + s.name).encode())
             continue
         if s.name in sig.null_inputs:
@@ -303,9 +320,10 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
             raise NativeUnavailable(f"kernel '{sig.key}', argument '{s.name}': element size mismatch")
         fully_written = int(s.name in sig.outputs_fully_written)
         preset = (1 if s.name in sig.in_out_names else 0) | (2 if s.name in carried else 0)
-        grad_alias = int(s.name in carried)
+        # carried adjoints, and struct fields (Warp's adjoint of a struct's array accumulates into its `grad`)
+        grad_alias = int(s.name in carried or ("." in s.name and s.name in adjoint_result))
         rows.append([1, offset, s.warp_ndim, s.jax_ndim, s.dtype.itemsize, inner, fwd, adj, grad, 0, 0,
-                     fully_written, preset, grad_alias])
+                     fully_written, preset, grad_alias, starts_param(s)])
         attr_names.append(None)
 
     kernel_dim = kernel.adj.kernel_dim
@@ -344,9 +362,15 @@ class NativeLauncher:
         self._lock = threading.RLock()
         self._ids: dict[int, int] = {}  # id(signature) -> kernel id
         self._sigs: dict[int, KernelSignature] = {}  # kernel id -> signature (kept alive: ids are never reused)
-        # (kernel id, device) -> the ModuleExec whose entry points the library holds. Keeping it referenced
+        # (kernel id, device) -> the ModuleExec whose entry points the library holds now. Keeping it referenced
         # keeps Warp from unloading that code while a compiled XLA executable may still launch it.
         self._execs: dict[tuple[int, str], Any] = {}
+        # Every ModuleExec whose entry points the library ever held, kept for the life of the process: when Warp
+        # rebuilds a module (a kernel added later to the same Python module) and a retrace registers the new
+        # code, a handler on another thread may be running the old code at that very moment, and the last
+        # reference to a ModuleExec unloads its code (SIGSEGV in the running handler). The library never
+        # frees a replaced entry either. Cost: one retained module per rebuild of a Warp module.
+        self._retired: list[Any] = []
         resolver = _RESOLVER_TYPE(self._resolve)
         self._callbacks = [resolver]  # must outlive every executable; never grows per call
         core = wc.runtime().core
@@ -433,9 +457,11 @@ class NativeLauncher:
     @staticmethod
     def _load(sig: KernelSignature, device):
         # The same module variant as PythonLauncher (_launch.load_kernel): block_dim 1 on the CPU, 256 on CUDA.
-        module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, sig.block_dim))
+        with _LOAD_LOCK:  # one lock for both launchers: Warp's module loading is not thread-safe
+            module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, sig.block_dim))
         if module_exec is None:
             raise RuntimeError(f"Failed to load Warp module '{sig.kernel.module.name}' on device '{device}' (kernel '{sig.key}')")
+        refuse_deterministic(sig.kernel, module_exec.get_kernel_hooks(sig.kernel), device.is_cuda)
         return module_exec
 
     def _set_entry(self, kid: int, sig: KernelSignature, device) -> None:
@@ -457,6 +483,9 @@ class NativeLauncher:
             )
         if rc != 0:
             raise RuntimeError(f"warpnn: registering kernel '{sig.key}' on {device} with the native launcher failed ({rc})")
+        previous = self._execs.get(key)
+        if previous is not None:
+            self._retired.append(previous)
         self._execs[key] = module_exec
 
     def _resolve(self, kid: int, platform: int, ordinal: int) -> int:

@@ -110,6 +110,7 @@ class _CallSpec:
     batch_shape: tuple[int, ...] = ()
     aliases: tuple[tuple[int, int], ...] = ()  # (operand, result): the result starts as the operand's buffer
     has_side_effect: bool = False
+    name: str = ""  # what errors call it, e.g. "warpnn kernel 'springs' (adjoint)"
     kernel: Any = None  # the KernelSignature (compared by identity): lets the lowering launch its batched twin
 
     @property
@@ -148,19 +149,22 @@ def ffi_call(
     attrs: dict[str, Any],
     aliases: dict[int, int] | None = None,
     has_side_effect: bool = False,
+    name: str = "",
     kernel: Any = None,
 ) -> list[jax.Array]:
     """``jax.ffi.ffi_call(target, result_types, vmap_method="expand_dims", input_output_aliases=aliases,
     has_side_effect=...)(*operands, **attrs)``, as a primitive that shards its ``vmap`` batch dimensions under
-    ``jax.jit`` and types its outputs under ``shard_map``. With ``kernel`` (the call's KernelSignature and
-    whether it is the adjoint), a batch launches once, through the kernel's batched twin (``_batched.py``)."""
+    ``jax.jit`` and types its outputs under ``shard_map``. ``name`` says what the call is in errors
+    (``jax_debug_nans``). With ``kernel`` (the call's KernelSignature and whether it is the adjoint), a batch
+    launches once, through the kernel's batched twin (``_batched.py``)."""
     spec = _CallSpec(
         target,
         tuple(tuple(int(d) for d in t.shape) for t in result_types),
         tuple(np.dtype(t.dtype) for t in result_types),
-        tuple((name, _freeze(value)) for name, value in sorted(attrs.items())),
+        tuple((key, _freeze(value)) for key, value in sorted(attrs.items())),
         aliases=tuple(sorted((aliases or {}).items())),
         has_side_effect=bool(has_side_effect),
+        name=name,
         kernel=kernel,
     )
     # A call with a side effect must reach XLA even when its results are unused: jax.ffi.ffi_call carries
@@ -210,7 +214,36 @@ def _jitted(spec: _CallSpec):
 
 
 def _impl(*operands, spec):
-    return _jitted(spec)(*operands)
+    """Eager execution: the call compiled on its own, as JAX runs any primitive outside ``jit``.
+
+    Under ``jax_debug_nans`` / ``jax_debug_infs`` JAX checks a jitted function's outputs and, on a NaN, calls
+    the function again "de-optimised", which for this jit of a bind of the primitive is this impl again:
+    ``RecursionError``. So the check is done here instead, with JAX's turned off for the inner call, and
+    raises JAX's own error naming the Warp kernel. (A NaN made inside a ``jax.jit`` is found by JAX at the
+    jit's outputs; its de-optimised re-run executes this call eagerly and gets here.)
+    """
+    check = _special_values_checked()
+    if not check:
+        return _jitted(spec)(*operands)
+    with jax.debug_nans(False), jax.debug_infs(False):
+        outs = _jitted(spec)(*operands)
+    for index, out in enumerate(outs):
+        if not jnp.issubdtype(out.dtype, jnp.inexact):
+            continue
+        values = np.asarray(out)
+        for kind in check:
+            if (np.isnan(values) if kind == "nan" else np.isinf(values)).any():
+                raise FloatingPointError(
+                    f"invalid value ({kind}) encountered in {spec.name or spec.target} (result {index}: "
+                    f"{np.count_nonzero(np.isnan(values) if kind == 'nan' else np.isinf(values))} of {values.size} "
+                    f"values; jax_debug_{kind}s is on)"
+                )
+    return outs
+
+
+def _special_values_checked() -> tuple[str, ...]:
+    """Which of "nan" / "inf" JAX's debug flags ask every operation's outputs to be checked for."""
+    return tuple(k for k, flag in (("nan", jax.config.jax_debug_nans), ("inf", jax.config.jax_debug_infs)) if flag)
 
 
 def _abstract_eval(*avals, spec: _CallSpec):

@@ -17,6 +17,7 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
+from warp._src.codegen import Struct
 
 
 
@@ -28,12 +29,29 @@ class ArgSpec:
     ``inner_shape`` trailing JAX dims, so a ``wp.array(dtype=wp.vec3)`` is a JAX ``(n, 3)`` array.
     """
 
-    name: str
+    name: str  # a struct's fields are named "param.field" (nested: "param.field.sub")
     warp_type: Any
     is_array: bool
     warp_ndim: int
     inner_shape: tuple[int, ...]
-    dtype: np.dtype  # the JAX/NumPy scalar dtype
+    dtype: np.dtype | None  # the JAX/NumPy scalar dtype (None for a struct)
+    fields: tuple[ArgSpec, ...] = ()  # a struct's fields, in declaration order
+
+    @property
+    def is_struct(self) -> bool:
+        return isinstance(self.warp_type, Struct)
+
+    @property
+    def leaves(self) -> tuple[ArgSpec, ...]:
+        """The arrays and scalars this parameter consists of: itself, or a struct's fields, flattened."""
+        if not self.is_struct:
+            return (self,)
+        return tuple(leaf for f in self.fields for leaf in f.leaves)
+
+    @property
+    def field_path(self) -> tuple[str, ...]:
+        """The attribute path of a struct field inside its parameter (``()`` for a parameter)."""
+        return tuple(self.name.split(".")[1:])
 
     @property
     def jax_ndim(self) -> int:
@@ -42,7 +60,7 @@ class ArgSpec:
     @property
     def is_float(self) -> bool:
         # np.issubdtype, not dtype.kind: ml_dtypes' bfloat16 has kind 'V'
-        return bool(jnp.issubdtype(self.dtype, jnp.floating))
+        return self.dtype is not None and bool(jnp.issubdtype(self.dtype, jnp.floating))
 
     @property
     def warp_dtype(self):
@@ -57,6 +75,8 @@ class ArgSpec:
         return f"wp.array(dtype=wp.{self.warp_dtype.__name__}, ndim={self.warp_ndim})"
 
     def describe(self) -> str:
+        if self.is_struct:
+            return f"wp.struct {self.warp_type.key} (a dict of its fields {[f.name.split('.')[-1] for f in self.fields]})"
         if not self.is_array:
             return f"static {self.dtype.name} scalar"
         inner = f", inner dims {self.inner_shape}" if self.inner_shape else ""
@@ -81,10 +101,13 @@ def _arg_spec(name: str, warp_type: Any, kernel_key: str) -> ArgSpec:
         return ArgSpec(name, warp_type, True, warp_type.ndim, inner, np.dtype(wp.dtype_to_jax(scalar)))
     if warp_type in wc.value_types:
         return ArgSpec(name, warp_type, False, 0, (), np.dtype(wp.dtype_to_jax(warp_type)))
+    if isinstance(warp_type, Struct):
+        fields = tuple(_arg_spec(f"{name}.{field}", var.type, kernel_key) for field, var in warp_type.vars.items())
+        return ArgSpec(name, warp_type, False, 0, (), None, fields)
     raise TypeError(
         f"Kernel '{kernel_key}', argument '{name}' has type {warp_type}, which warpnn cannot pass from JAX. "
-        "Supported: wp.array(...) of scalar/vector/matrix dtypes, and scalar types (float, int, wp.uint64 ids). "
-        "Pass structs or vectors as arrays instead."
+        "Supported: wp.array(...) of scalar/vector/matrix dtypes, scalar types (float, int, wp.uint64 ids), and "
+        "wp.struct's of those. Pass vectors or matrices as arrays (a wp.array(dtype=wp.vec3) of length 1) instead."
     )
 
 
@@ -123,6 +146,11 @@ class KernelSignature:
         return analyse_array_uses(self.kernel, (*self.inputs, *self.outputs))
 
     @functools.cached_property
+    def input_leaves(self) -> tuple[ArgSpec, ...]:
+        """Inputs with every struct flattened into its fields: what the caller's values become."""
+        return tuple(leaf for a in self.inputs for leaf in a.leaves)
+
+    @functools.cached_property
     def kernel_has_return(self) -> bool:
         """Whether the kernel body has a ``return`` (which may guard the accesses after it)."""
         try:
@@ -133,7 +161,7 @@ class KernelSignature:
     @functools.cached_property
     def written_inputs(self) -> tuple[str, ...]:
         """Array inputs (not in-out) that the kernel may write: an error at construction (XLA owns them)."""
-        return tuple(s.name for s in self.inputs if s.is_array and s.name not in self.in_out_names
+        return tuple(s.name for s in self.input_leaves if s.is_array and s.name not in self.in_out_names
                      and self.uses[s.name].writes)
 
     @functools.cached_property
@@ -165,11 +193,11 @@ class KernelSignature:
     @functools.cached_property
     def array_inputs(self) -> tuple[ArgSpec, ...]:
         """The forward call's operands: array inputs (in-out ones included), less those passed as None."""
-        return tuple(a for a in self.inputs if a.is_array and a.name not in self.null_inputs)
+        return tuple(a for a in self.input_leaves if a.is_array and a.name not in self.null_inputs)
 
     @functools.cached_property
     def in_out(self) -> tuple[ArgSpec, ...]:
-        return tuple(a for a in self.inputs if a.name in self.in_out_names)
+        return tuple(a for a in self.input_leaves if a.name in self.in_out_names)
 
     @functools.cached_property
     def results(self) -> tuple[ArgSpec, ...]:
@@ -212,7 +240,7 @@ class KernelSignature:
         array, so an input that is not differentiated costs no memory traffic backward. Names of inputs that
         have no adjoint anyway (integer arrays, scalars) are ignored.
         """
-        differentiable = {a.name for a in self.inputs if a.is_array and a.is_float}
+        differentiable = {a.name for a in self.input_leaves if a.is_array and a.is_float}
         constant = self.constant_inputs if constant_inputs is None else frozenset(constant_inputs) & differentiable
         nulls = self.null_inputs if null_inputs is None else frozenset(null_inputs)
         if constant == self.constant_inputs and nulls == self.null_inputs:
@@ -227,7 +255,7 @@ class KernelSignature:
 
     def without_adjoints(self, names: frozenset[str]) -> KernelSignature:
         """This signature with no adjoint computed for the inputs ``names`` as well (see ``variant``)."""
-        differentiable = {a.name for a in self.inputs if a.is_array and a.is_float}
+        differentiable = {a.name for a in self.input_leaves if a.is_array and a.is_float}
         return self.variant(constant_inputs=(frozenset(names) & differentiable) | self.constant_inputs)
 
     @functools.cached_property
@@ -461,8 +489,10 @@ class _UseCollector:
     """Walks a kernel's (or @wp.func's) AST and records the accesses of its array parameters."""
 
     def __init__(self, fn_globals: dict, arrays: dict[str, tuple[str, int]], tid_vars=None, call=None, depth=0,
-                 counter=None, line_offset=0):
+                 counter=None, line_offset=0, structs=None, struct_arrays=None):
         self.globals = fn_globals
+        self.structs: dict[str, str] = dict(structs or {})  # local name -> struct parameter path ("s", "s.inner")
+        self.struct_arrays: dict[str, int] = struct_arrays or {}  # "s.x" -> ndim, for every array in a struct
         self.counter = counter if counter is not None else itertools.count()
         self.line_offset = line_offset  # kernel source line numbers -> file line numbers
         self.env = dict(arrays)  # local name -> (kernel parameter, array ndim)
@@ -501,7 +531,23 @@ class _UseCollector:
         if isinstance(node, ast.Name) and node.id in self.env:
             param, ndim = self.env[node.id]
             return param, ndim, indices
+        path = self._struct_path(node)
+        if path is not None and path in self.struct_arrays:
+            return path, self.struct_arrays[path], indices
         return None
+
+    def _struct_path(self, node: ast.AST) -> str | None:
+        """``"s.inner.w"`` for ``s.inner.w`` where ``s`` names a struct parameter (or a struct within one)."""
+        attrs = []
+        while isinstance(node, ast.Attribute):
+            attrs.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in self.structs:
+            return ".".join([self.structs[node.id], *reversed(attrs)])
+        return None
+
+    def _struct_arrays_under(self, path: str) -> list[str]:
+        return [a for a in self.struct_arrays if a.startswith(path + ".")]
 
     # -- statements
 
@@ -521,7 +567,11 @@ class _UseCollector:
                 if all(isinstance(n, ast.Name) for n in names):
                     self.tid_vars = [n.id for n in names]
                 return
-            # an alias or a view of an array: `b = a`, `row = a[i]` on a 2-D array
+            # an alias of a struct (`t = s`, `t = s.inner`), of an array (`b = a`) or a view (`row = a[i]`, 2-D a)
+            if len(targets) == 1 and isinstance(targets[0], ast.Name) and self._struct_path(value) is not None \
+                    and self._struct_path(value) not in self.struct_arrays:
+                self.structs[targets[0].id] = self._struct_path(value)
+                return
             if len(targets) == 1 and isinstance(targets[0], ast.Name):
                 found = self._array_of(value)
                 if found is not None and len(found[2]) < found[1]:
@@ -594,7 +644,7 @@ class _UseCollector:
     def expr(self, node: ast.AST):
         if node is None:
             return
-        found = self._array_of(node) if isinstance(node, (ast.Subscript, ast.Name)) else None
+        found = self._array_of(node) if isinstance(node, (ast.Subscript, ast.Name, ast.Attribute)) else None
         if found is not None:
             param, ndim, indices = found
             for i in indices:
@@ -602,8 +652,10 @@ class _UseCollector:
             self._record(param, "read", node, indices[:ndim] if indices else None, ndim)
             return
         if isinstance(node, ast.Attribute):
-            inner = self._array_of(node.value) if isinstance(node.value, ast.Name) else None
+            inner = self._array_of(node.value) if isinstance(node.value, (ast.Name, ast.Attribute)) else None
             if inner is not None and node.attr in _NO_ACCESS_ATTRIBUTES:
+                return
+            if self._struct_path(node) is not None:  # a scalar field, or a struct passed on: no array access
                 return
             self.expr(node.value)
             return
@@ -627,6 +679,8 @@ class _UseCollector:
         args = list(node.args)
         array_args = [(k, self._array_of(a)) for k, a in enumerate(args)]
         array_args = [(k, f) for k, f in array_args if f is not None and not f[2]]  # whole arrays passed
+        struct_args = [(k, self._struct_path(a)) for k, a in enumerate(args)]
+        struct_args = [(k, p) for k, p in struct_args if p is not None and p not in self.struct_arrays]
         if name in _NO_ACCESS_BUILTINS and isinstance(node.func, (ast.Name, ast.Attribute)):
             for a in args:
                 if self._array_of(a) is None:
@@ -634,8 +688,12 @@ class _UseCollector:
             return
         target = self._resolve(node.func)
         is_warp_function = target is not None and hasattr(target, "is_builtin")
-        if array_args and is_warp_function and not target.is_builtin():
-            self._call_user_function(node, target, array_args)
+        if struct_args and not (is_warp_function and not target.is_builtin()):
+            for _, path in struct_args:
+                for leaf in self._struct_arrays_under(path):
+                    self._undecide(leaf, f"line {node.lineno} passes its struct to '{ast.unparse(node.func)}'")
+        if (array_args or struct_args) and is_warp_function and not target.is_builtin():
+            self._call_user_function(node, target, array_args, struct_args)
         elif array_args and (is_warp_function or (target is None and isinstance(node.func, ast.Attribute))):
             kind = ("accumulate" if name in _ACCUMULATE_BUILTINS else "read-write" if name in _READ_WRITE_BUILTINS
                     else "store" if name in _STORE_BUILTINS else "read")
@@ -648,7 +706,7 @@ class _UseCollector:
         elif array_args:
             for _, (param, _, _) in array_args:
                 self._undecide(param, f"line {node.lineno} passes it to '{ast.unparse(node.func)}', which is not a Warp function")
-        passed = {k for k, _ in array_args}
+        passed = {k for k, _ in array_args} | {k for k, _ in struct_args}
         for k, a in enumerate(args):
             if k not in passed:
                 self.expr(a)
@@ -659,12 +717,15 @@ class _UseCollector:
             else:
                 self.expr(kw.value)
 
-    def _call_user_function(self, node: ast.Call, fn, array_args):
+    def _call_user_function(self, node: ast.Call, fn, array_args, struct_args=()):
         adj = getattr(fn, "adj", None)
         tree = getattr(adj, "tree", None)
         if tree is None or self.depth > 16 or getattr(fn, "native_snippet", None) or getattr(fn, "custom_grad_func", None):
             for _, (param, _, _) in array_args:
                 self._undecide(param, f"line {node.lineno} passes it to @wp.func '{fn.key}', whose body warpnn cannot read")
+            for _, path in struct_args:
+                for leaf in self._struct_arrays_under(path):
+                    self._undecide(leaf, f"line {node.lineno} passes its struct to @wp.func '{fn.key}', whose body warpnn cannot read")
             return
         labels = [a.label for a in adj.args]
         arrays = {}
@@ -672,9 +733,10 @@ class _UseCollector:
             if k < len(labels):
                 arrays[labels[k]] = (param, ndim)
         # accesses inside the function are placed at the outermost call in the kernel
+        structs = {labels[k]: path for k, path in struct_args if k < len(labels)}
         call = self.call or (node.lineno + self.line_offset, tuple(self.loops), fn.key)
         inner = _UseCollector(_names_visible_to(fn.func), arrays, tid_vars=None, call=call, depth=self.depth + 1,
-                              counter=self.counter)
+                              counter=self.counter, structs=structs, struct_arrays=self.struct_arrays)
         inner.loops = []
         inner.body(_function_def(tree).body)
         for param, accesses in inner.found.items():
@@ -705,13 +767,17 @@ def _function_def(tree: ast.AST) -> ast.FunctionDef:
 def analyse_array_uses(kernel, specs) -> dict[str, ArrayUse]:
     """How ``kernel`` uses each array parameter in ``specs`` (``ArgSpec`` s), from its source."""
     arrays = {s.name: (s.name, s.warp_ndim) for s in specs if s.is_array}
+    structs = {s.name: s.name for s in specs if s.is_struct}
+    struct_arrays = {leaf.name: leaf.warp_ndim for s in specs if s.is_struct for leaf in s.leaves if leaf.is_array}
+    names = [*arrays, *struct_arrays]
     try:
         collector = _UseCollector(_names_visible_to(kernel.func), arrays,
-                                  line_offset=int(getattr(kernel.adj, "fun_lineno", 1) or 1) - 1)
+                                  line_offset=int(getattr(kernel.adj, "fun_lineno", 1) or 1) - 1,
+                                  structs=structs, struct_arrays=struct_arrays)
         collector.body(_function_def(kernel.adj.tree).body)
     except Exception as e:  # noqa: BLE001 - no source tree, or a construct this walker does not know
-        return {n: ArrayUse(n, (), f"its source could not be analysed: {type(e).__name__}: {e}") for n in arrays}
-    return {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n)) for n in arrays}
+        return {n: ArrayUse(n, (), f"its source could not be analysed: {type(e).__name__}: {e}") for n in names}
+    return {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n)) for n in names}
 
 
 _SIGNATURES: dict[tuple, KernelSignature] = {}
@@ -729,12 +795,14 @@ def signature_of(kernel: Any, num_outputs: int, in_out_argnames=(), block_dim: i
             f"got {type(kernel).__name__}."
         )
     in_out_argnames = tuple(in_out_argnames or ())
-    cache_key = (id(kernel), num_outputs, in_out_argnames, block_dim)
+    cpu_blocks = bool(wp.config.enable_cpu_blocks) if block_dim is not None else None  # changes the CPU build
+    cache_key = (id(kernel), num_outputs, in_out_argnames, block_dim, cpu_blocks)
     cached = _SIGNATURES.get(cache_key)
     if cached is not None and cached.kernel is kernel:
         return cached
 
     params = kernel.adj.args
+    specs = [_arg_spec(a.label, a.type, kernel.key) for a in params]
     labels = [a.label for a in params]
     if len(set(in_out_argnames)) != len(in_out_argnames):
         raise ValueError(f"Kernel '{kernel.key}': in_out_argnames={list(in_out_argnames)} names an argument twice (in_out_argnames must not contain duplicate names).")
@@ -752,7 +820,6 @@ def signature_of(kernel: Any, num_outputs: int, in_out_argnames=(), block_dim: i
             f"the results at the end of the signature, in-out arrays included ({n_in_out} here), and must be between "
             f"{max(1, n_in_out)} and {len(params)}."
         )
-    specs = [_arg_spec(a.label, a.type, kernel.key) for a in params]
     n_pure = num_outputs - n_in_out
     inputs, outputs = tuple(specs[: len(specs) - n_pure]), tuple(specs[len(specs) - n_pure :])
     for spec in outputs:
@@ -766,7 +833,7 @@ def signature_of(kernel: Any, num_outputs: int, in_out_argnames=(), block_dim: i
             )
         if not spec.is_array:
             raise TypeError(
-                f"Kernel '{kernel.key}': output argument '{spec.name}' is a {spec.dtype.name} scalar, but "
+                f"Kernel '{kernel.key}': output argument '{spec.name}' is a {spec.describe()}, but "
                 f"outputs must be arrays. With num_outputs={num_outputs} the outputs are "
                 f"{[o.name for o in outputs]}; lower num_outputs or make '{spec.name}' a wp.array."
             )

@@ -14,6 +14,8 @@ import jax
 
 from ._binding import Binding, FrozenMapping
 
+__all__ = ["WarpLayer", "trainable"]
+
 
 class WarpLayer(eqx.Module):
     """A Warp kernel as an Equinox layer.

@@ -16,6 +16,8 @@ from flax import linen as nn
 
 from ._binding import Binding
 
+__all__ = ["BUFFERS", "WarpLayer"]
+
 BUFFERS = "buffers"
 """The variable collection that holds WarpLayer buffers: ``model.apply({"params": p, "buffers": b}, x)``."""
 

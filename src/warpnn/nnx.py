@@ -17,6 +17,8 @@ from flax import nnx
 
 from ._binding import Binding
 
+__all__ = ["Buffer", "WarpLayer"]
+
 
 class Buffer(nnx.Variable):
     """A non-trainable array of a :class:`WarpLayer` (connectivity, rest state), saved with the model state."""

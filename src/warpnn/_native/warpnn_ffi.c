@@ -88,6 +88,8 @@ enum {
                         (XLA aliases them: in-out arrays, carried adjoints) and is never zeroed */
     P_GRAD_ALIAS,    /* adjoint: the primal array's `grad` is its adjoint buffer, so Warp's adjoint of a store
                         zeroes the overwritten element's adjoint, as under wp.Tape */
+    P_PARAM_START,   /* 1: the row's field starts a kernel parameter (0: a later field of the same wp.struct).
+                        A CUDA launch passes one pointer per kernel parameter, not per row */
     P_NCOLS
 };
 
@@ -1252,7 +1254,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     uint8_t* adj_struct = scratch + args_bytes;
     ArraySlot* arrays = (ArraySlot*)(scratch + 2 * args_bytes);
     void** kernel_params = (void**)(arrays + num_slots);
-    int32_t num_arrays = 0;
+    int32_t num_arrays = 0, num_kernel_params = 0;
     XLA_FFI_Error* error = NULL;
     /* array slot of each parameter's primal value and adjoint, for P_GRAD_ALIAS (-1: none) */
     int32_t primal_array[kMaxGradAliases], adjoint_array[kMaxGradAliases];
@@ -1268,7 +1270,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         const Slot* slot = &d->slots[mode][s];
         const int64_t* p = d->params + (size_t)slot->param * P_NCOLS;
         uint8_t* field = (slot->adjoint ? adj_struct : args_struct) + p[P_OFFSET];
-        kernel_params[1 + s] = field;
+        if (p[P_PARAM_START]) kernel_params[1 + num_kernel_params++] = field;
         if (!p[P_IS_ARRAY]) {
             if (slot->adjoint) continue; /* adjoint of a static scalar: zero */
             const char* aname = d->attr_names[slot->param];

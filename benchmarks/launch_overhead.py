@@ -1,9 +1,9 @@
 """Per-call overhead of warpnn's launchers: one jitted call of a trivial elementwise kernel.
 
 Compares the native launcher, the Python launcher and the same computation in pure JAX (the difference
-to pure JAX is what a Warp call costs beyond the work itself). Used by the benchmarks; also runnable::
+to pure JAX is what a Warp call costs beyond the work itself). Runnable from the repository root::
 
-    python -m warpnn._launch_overhead [--n 1024] [--reps 200] [--rounds 30]
+    python -m benchmarks.launch_overhead [--n 1024] [--reps 200] [--rounds 30]
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
-from . import _launch
-from ._bridge import jax_kernel
+from warpnn import _launch
+from warpnn._bridge import jax_kernel
 
 
 @wp.kernel
@@ -92,12 +92,12 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m warpnn._launch_overhead", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.launch_overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=200, help="calls per timed round")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (median reported)")
     args = parser.parse_args(argv)
-    wp.config.quiet = True
+    wp.config.log_level = wp.LOG_WARNING  # Warp 1.19: no banner or module-load lines
     results = measure(args.n, args.reps, args.rounds)
     rows = {k: v for k, v in results.items() if isinstance(v, float)}
     for case in ("fwd", "fwd+bwd", f"chain{CHAIN}"):

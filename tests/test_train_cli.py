@@ -1,0 +1,168 @@
+"""``warpnn-train`` as a user meets it: --resume ends where an uninterrupted run ends, --out is claimed (checked
+writable, refused when it holds another run, cleaned of a killed run's temporary files) before anything trains,
+errors are one line, files keep the umask, --help shows defaults."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import warp as wp
+
+from warpnn_train import cli, common
+
+TIMING = ("steps_per_s", "wall_time_s", "resumed_from_step")  # what may differ between a run and its resumption
+
+TASKS = {  # small versions of each task: seconds on a CPU
+    "cloth": ["cloth", "--steps", "12", "--frames", "30", "--rows", "5", "--cols", "5"],
+    "control": ["control", "--steps", "5", "--frames", "20", "--batch", "2"],
+    "geometry": ["geometry", "--steps", "9", "--template-points", "128", "--target-points", "256", "--width", "16"],
+}
+CHECKPOINTS = {"cloth": "checkpoint.eqx", "control": "checkpoint.msgpack", "geometry": "checkpoint.eqx"}
+
+
+def _metrics(out: Path) -> dict:
+    return {k: v for k, v in json.loads((out / "metrics.json").read_text()).items() if k not in TIMING}
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, task):
+    """Stopped after a few steps and resumed (model, optimiser state, step, random key, loss history from the
+    checkpoint), a run writes the same checkpoint bytes and metrics as one that ran straight through."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert cli.main([*TASKS[task], "--out", str(whole)]) == 0
+    assert cli.main([*TASKS[task], "--out", str(split), "--stop-after", "3", "--checkpoint-every", "2"]) == 0
+    assert not (split / "metrics.json").exists(), "a stopped run writes no final metrics"
+    assert cli.main([*TASKS[task], "--out", str(split), "--resume"]) == 0
+    assert json.loads((split / "metrics.json").read_text())["resumed_from_step"] == 3
+    assert _metrics(split) == _metrics(whole)
+    name = CHECKPOINTS[task]
+    assert (split / name).read_bytes() == (whole / name).read_bytes()
+
+
+def test_out_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [*TASKS["cloth"], "--out", str(out)]
+    assert cli.main(args) == 0
+    first = (out / "checkpoint.eqx").read_bytes()
+    capsys.readouterr()
+
+    assert cli.main(args) == 2  # same run again: refused, nothing overwritten
+    err = capsys.readouterr().err
+    assert "holds an earlier run" in err and "--resume" in err and "--overwrite" in err, err
+    assert (out / "checkpoint.eqx").read_bytes() == first
+
+    assert cli.main([*args, "--seed", "1", "--resume"]) == 2  # a different run cannot be resumed into
+    err = capsys.readouterr().err
+    assert "different run" in err and "seed 0 there, 1 now" in err, err
+
+    assert cli.main([*args, "--seed", "1", "--overwrite"]) == 0
+    assert json.loads((out / "run.json").read_text())["options"]["seed"] == 1
+    assert (out / "checkpoint.eqx").read_bytes() != first
+
+    with pytest.raises(SystemExit):  # contradictory: an argparse error
+        cli.main([*args, "--resume", "--overwrite"])
+
+
+def test_resume_of_an_empty_folder_is_refused(tmp_path, capsys):
+    assert cli.main([*TASKS["cloth"], "--out", str(tmp_path / "empty"), "--resume"]) == 2
+    assert "holds no run to continue" in capsys.readouterr().err
+
+
+def test_unwritable_out_fails_before_training_in_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    start = time.perf_counter()
+    assert cli.main([*TASKS["cloth"], "--out", str(blocker / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert "cannot create the folder" in err and str(blocker / "run") in err, err
+    assert time.perf_counter() - start < 5, "the folder is checked before the task is built or trained"
+
+    if os.geteuid() != 0:  # root writes anywhere: the permission check needs an ordinary user
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        try:
+            assert cli.main([*TASKS["cloth"], "--out", str(locked)]) == 2
+            assert "cannot write there" in capsys.readouterr().err
+        finally:
+            locked.chmod(0o700)
+
+
+def test_errors_during_the_run_are_one_line(tmp_path, capsys):
+    code = cli.main([*TASKS["cloth"], "--devices", "1", "--cloths-per-device", "0", "--out", str(tmp_path / "x")])
+    assert code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert "--cloths-per-device must be >= 1" in err and "--verbose" in err, err
+    with pytest.raises(ValueError, match="cloths-per-device"):  # --verbose: the exception itself
+        cli.main([*TASKS["cloth"], "--devices", "1", "--cloths-per-device", "0", "--out", str(tmp_path / "y"),
+                  "--verbose"])
+
+
+def test_files_keep_the_umask_and_stale_temporaries_go(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    stale = out / ".checkpoint.eqx.k3j9x0qa.tmp"  # what warpnn.atomic_write leaves when a run is SIGKILLed
+    stale.write_bytes(b"half a checkpoint")
+    unrelated = out / ".notes.tmp"  # not an atomic-write temporary: the user's, kept
+    unrelated.write_text("mine")
+    previous = os.umask(0o027)
+    try:
+        assert cli.main([*TASKS["cloth"], "--out", str(out)]) == 0
+    finally:
+        os.umask(previous)
+    assert not stale.exists() and unrelated.exists()
+    for name in ("checkpoint.eqx", "metrics.json", "run.json", "loss.png"):
+        assert (out / name).stat().st_mode & 0o777 == 0o640, (name, oct((out / name).stat().st_mode))
+
+
+def test_one_run_per_folder(tmp_path):
+    out = tmp_path / "run"
+    claimed = common.RunDir.open(out, {"task": "a"})
+    with pytest.raises(common.UsageError, match="another warpnn-train is writing there"):
+        common.RunDir.open(out, {"task": "a"}, overwrite=True)
+    claimed.close()  # the first run ends
+    common.RunDir.open(out, {"task": "a"}, resume=True)
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["cloth", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("--steps STEPS optimisation steps (default: 250)", "(default: runs/cloth)", "(default: 0.2)",
+                  "--checkpoint-every N", "(default: 50)", "--resume", "--overwrite"):
+        assert shown in text, shown
+    assert "(default: None)" not in text
+
+
+@pytest.mark.skipif(not wp.is_cpu_available(), reason="this Warp build cannot compile CPU kernels")
+def test_sigterm_checkpoints_and_resume_matches(tmp_path):
+    """A run sent SIGTERM (a cluster's preemption) stops after its current step with a checkpoint, exits 130 and
+    tells how to continue; the resumed run matches an uninterrupted one (run in-process here)."""
+    args = ["cloth", "--steps", "400", "--frames", "30", "--rows", "5", "--cols", "5", "--device", "cpu"]
+    out = tmp_path / "killed"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.Popen([sys.executable, "-m", "warpnn_train.cli", *args, "--out", str(out),
+                             "--checkpoint-every", "5"], env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoint.eqx").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (stdout, stderr[-3000:])
+    assert "stopped after step" in stdout and "--resume" in stdout, stdout
+    assert not (out / "metrics.json").exists()
+
+    assert cli.main([*args[:-2], "--out", str(out), "--resume"]) == 0
+    whole = tmp_path / "whole"
+    assert cli.main([*args[:-2], "--out", str(whole)]) == 0
+    assert 0 < json.loads((out / "metrics.json").read_text())["resumed_from_step"] < 400
+    assert _metrics(out) == _metrics(whole)
+    assert (out / "checkpoint.eqx").read_bytes() == (whole / "checkpoint.eqx").read_bytes()

@@ -1,0 +1,126 @@
+"""The cloth identification problem that ``warpnn-train cloth`` solves on one device
+(:mod:`warpnn_train.cloth_sysid`) and on several (:mod:`warpnn_train.data_parallel`): its configuration,
+scene, loss terms, parameters, optimiser and checkpoint format."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from warpnn_models.cloth import Cloth, ClothGrid, make_cloth_grid
+
+from . import common
+
+
+@dataclasses.dataclass(frozen=True)
+class SysIdConfig:
+    """The default system-identification task; every field is a CLI option of the same name."""
+
+    rows: int = 10
+    cols: int = 10
+    spacing: float = 0.1
+    mass: float = 0.1
+    height: float = 1.5  # no ground in this task; high enough that the stretched cloth stays above y = 0
+    dt: float = 4.0e-3
+    frames: int = 200
+    drag: float = 0.1
+    kick: float = 1.0  # std of the initial random velocity (m/s): excites stretch modes so damping shows
+    true_stiffness: tuple[float, ...] = (400.0, 200.0, 20.0)
+    true_damping: tuple[float, ...] = (2.0, 1.0, 0.2)
+    guess_stiffness: tuple[float, ...] = (100.0, 100.0, 100.0)
+    guess_damping: tuple[float, ...] = (0.5, 0.5, 0.5)
+    steps: int = 250
+    lr: float = 0.2
+    velocity_weight: float = 1.0
+    backend: str = "warp"
+
+
+def make_scene(config: SysIdConfig) -> tuple[ClothGrid, Cloth, jax.Array, jax.Array]:
+    """The cloth of ``config`` at rest: ``(grid, true_cloth, x0 (n, 3), free (n, 1))``; ``free`` masks out pins."""
+    grid = make_cloth_grid(config.rows, config.cols, spacing=config.spacing, origin=(0.0, config.height, 0.0),
+                           plane="xz", mass=config.mass, pinned="top-corners")
+    true_cloth = Cloth.from_grid(grid, stiffness=config.true_stiffness, damping=config.true_damping,
+                                 dt=config.dt, drag=config.drag, backend=config.backend)
+    free = jnp.asarray(grid.inv_mass > 0, jnp.float32)[:, None]
+    return grid, true_cloth, jnp.asarray(grid.positions), free
+
+
+def with_log_params(cloth: Cloth, theta: dict[str, jax.Array]) -> Cloth:
+    """``cloth`` with stiffness = exp(theta['log_stiffness']), damping = exp(theta['log_damping'])."""
+    return dataclasses.replace(cloth, stiffness=jnp.exp(theta["log_stiffness"]), damping=jnp.exp(theta["log_damping"]))
+
+
+def data_scales(task) -> tuple[float, float]:
+    """Mean squared displacement and speed of the observations: the loss's normalisers (constants of the data)."""
+    return (float(jnp.mean(jnp.sum((task.xs_obs - task.x0) ** 2, -1))), float(jnp.mean(jnp.sum(task.vs_obs**2, -1))))
+
+
+def trajectory_error(xs, vs, xs_obs, vs_obs, scales: tuple[float, float], velocity_weight: float) -> jax.Array:
+    """Normalised position error plus weighted normalised velocity error, averaged over every frame given."""
+    position_error = jnp.mean(jnp.sum((xs - xs_obs) ** 2, -1)) / scales[0]
+    # Velocities weigh the fast, quickly damped stretch oscillations that positions barely show.
+    velocity_error = jnp.mean(jnp.sum((vs - vs_obs) ** 2, -1)) / scales[1]
+    return position_error + velocity_weight * velocity_error
+
+
+def initial_theta(config: SysIdConfig) -> dict[str, jax.Array]:
+    return {
+        "log_stiffness": jnp.log(jnp.asarray(config.guess_stiffness, jnp.float32)),
+        "log_damping": jnp.log(jnp.asarray(config.guess_damping, jnp.float32)),
+    }
+
+
+def relative_errors(theta, config: SysIdConfig) -> dict[str, np.ndarray]:
+    """|fitted / true - 1| per material, for stiffness and damping."""
+    return {
+        "stiffness": np.abs(np.exp(np.asarray(theta["log_stiffness"])) / np.asarray(config.true_stiffness) - 1.0),
+        "damping": np.abs(np.exp(np.asarray(theta["log_damping"])) / np.asarray(config.true_damping) - 1.0),
+    }
+
+
+def make_optimizer(config: SysIdConfig, steps: int) -> optax.GradientTransformation:
+    """Adam on the log-parameters with a cosine-decayed learning rate over ``steps`` steps."""
+    return optax.adam(optax.cosine_decay_schedule(config.lr, max(steps, 1), alpha=0.01))
+
+
+def checkpoint_tree(cloth: Cloth, theta, opt_state, step: int, losses: list[float], trail: list, steps: int) -> dict:
+    """What a checkpoint holds: the fitted cloth, log-parameters, optimiser state, steps done, and the loss and
+    parameter history so far (fixed shapes: ``steps`` losses, ``steps + 1`` parameter rows, NaN-padded)."""
+    rows = {name: np.full((steps + 1, len(np.asarray(theta[name]))), np.nan, np.float32) for name in theta}
+    for k, t in enumerate(trail):
+        for name in rows:
+            rows[name][k] = np.asarray(t[name])
+    return {"cloth": cloth, "theta": theta, "opt_state": opt_state, "step": jnp.asarray(step),
+            "losses": common.losses_array(losses, steps), "trail": rows}
+
+
+def checkpoint_bytes(tree: dict) -> bytes:
+    """A :func:`checkpoint_tree` as Equinox-serialised bytes."""
+    buf = io.BytesIO()
+    eqx.tree_serialise_leaves(buf, tree)
+    return buf.getvalue()
+
+
+def load_checkpoint(path, like_cloth: Cloth, config: SysIdConfig = SysIdConfig()) -> dict:
+    """Read a checkpoint of a run of ``config`` (its ``steps`` fix the history's shapes); ``like_cloth`` gives
+    the cloth's pytree structure (any cloth of the same grid).
+
+    Returns the :func:`checkpoint_tree` dict; ``trail`` rows past ``step`` are NaN.
+    """
+    theta = initial_theta(config)
+    optimizer = make_optimizer(config, config.steps)
+    like = checkpoint_tree(like_cloth, theta, optimizer.init(theta), 0, [], [], config.steps)
+    with open(path, "rb") as f:
+        return eqx.tree_deserialise_leaves(f, like)
+
+
+def trail_rows(checkpoint: dict) -> list[dict[str, jax.Array]]:
+    """The per-step log-parameters of a checkpoint, steps 0 .. step (inclusive): the history to continue."""
+    step = int(checkpoint["step"])
+    return [{name: jnp.asarray(rows[k]) for name, rows in checkpoint["trail"].items()} for k in range(step + 1)]
