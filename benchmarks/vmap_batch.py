@@ -3,9 +3,10 @@
 The spring forces of a 10x10 cloth (100 particles, 342 springs, connectivity and material shared by every
 cloth), vmapped over B cloths whose positions and velocities differ; fwd, and fwd+bwd (gradient of a
 weighted sum of the forces w.r.t. positions and the shared stiffness). Three implementations timed in
-alternating rounds of one process: warpnn's batched twin (one launch per call, ``warpnn._batched``), warpnn's
-per-element launches (``WARPNN_BATCHED_LAUNCH=0`` while compiling), pure JAX of the same math. Also counts the
-kernel launches per call.
+alternating rounds of one process: warpnn as it runs by default (the batched twin, one launch per call, on a
+GPU; the kernel's own per-element launches across the CPU threads on a CPU), the batched twin forced
+(``WARPNN_BATCHED_LAUNCH=twin``, the same as the default on a GPU), per-element launches
+(``WARPNN_BATCHED_LAUNCH=0``), and pure JAX of the same math. Also counts the kernel launches per call.
 
     python -m benchmarks.vmap_batch [--sizes 1,64,1024,4096,16384] [--json]
 """
@@ -32,10 +33,10 @@ wp.config.quiet = True
 DEFAULT_SIZES = (1, 16, 64, 256, 1024, 4096, 16384)
 
 
-def _compiled(fn, args, batched: bool):
-    """``jax.jit(fn)`` compiled now, with batched launches on or off (the choice is made while lowering)."""
+def _compiled(fn, args, mode: str):
+    """``jax.jit(fn)`` compiled now with ``WARPNN_BATCHED_LAUNCH=mode`` (the choice is made while lowering)."""
     previous = os.environ.get(_batched.BATCHED_ENV)
-    os.environ[_batched.BATCHED_ENV] = "1" if batched else "0"
+    os.environ[_batched.BATCHED_ENV] = mode
     jax.clear_caches()  # JAX caches lowerings: without this the other choice's lowering may be reused
     try:
         return jax.jit(fn).lower(*args).compile()
@@ -74,8 +75,9 @@ def bench(sizes) -> list[dict]:
         ref_fwd, ref_grad = make(cloth.spring_forces_reference)
         for direction, ours, ref in (("fwd", ours_fwd, ref_fwd), ("fwd+bwd", ours_grad, ref_grad)):
             cases = {
-                "warpnn batched": (_compiled(ours, args, True), args),
-                "warpnn per element": (_compiled(ours, args, False), args),
+                "warpnn default": (_compiled(ours, args, "1"), args),
+                "warpnn batched twin": (_compiled(ours, args, "twin"), args),
+                "warpnn per element": (_compiled(ours, args, "0"), args),
                 "pure JAX": (jax.jit(ref).lower(*args).compile(), args),
             }
             launches = {name: _launches_per_call(fn, args) for name, (fn, _) in cases.items() if name.startswith("warpnn")}
@@ -83,8 +85,7 @@ def bench(sizes) -> list[dict]:
             rows.append({
                 "batch": batch, "direction": direction,
                 **{f"{name} s": (t if isinstance(t, float) else None) for name, t in times.items()},
-                "launches per call (batched)": launches.get("warpnn batched"),
-                "launches per call (per element)": launches.get("warpnn per element"),
+                **{f"launches per call ({name})": launches.get(name) for name in launches},
             })
             print(f"B={batch:6d} {direction:8s} " + "  ".join(f"{n}: {fmt_us(t if isinstance(t, float) else None)} µs" for n, t in times.items()),
                   file=sys.stderr, flush=True)
@@ -92,16 +93,18 @@ def bench(sizes) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+    names = ("warpnn default", "warpnn batched twin", "warpnn per element", "pure JAX")
     lines = [
-        "| B | direction | warpnn batched (µs) | warpnn per element (µs) | pure JAX (µs) | batched / pure JAX | per element / pure JAX | launches per call (batched, per element) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| B | direction | " + " | ".join(f"{n} (µs)" for n in names) + " | "
+        + " | ".join(f"{n} / pure JAX" for n in names[:-1]) + " | launches per call (" + ", ".join(names[:-1]) + ") |",
+        "|---|---|" + "---|" * (2 * len(names)),
     ]
+    count = lambda c: "—" if not c else "+".join(str(c[k]) for k in ("forward", "adjoint") if c[k])  # noqa: E731
     for row in rows:
-        ours, per, ref = row["warpnn batched s"], row["warpnn per element s"], row["pure JAX s"]
-        lb, lp = row["launches per call (batched)"], row["launches per call (per element)"]
-        count = lambda c: "—" if not c else "+".join(str(c[k]) for k in ("forward", "adjoint") if c[k])  # noqa: E731
-        lines.append(f"| {row['batch']} | {row['direction']} | {fmt_us(ours)} | {fmt_us(per)} | {fmt_us(ref)} | "
-                     f"{fmt_ratio(ours, ref)} | {fmt_ratio(per, ref)} | {count(lb)}, {count(lp)} |")
+        t = [row.get(f"{n} s") for n in names]
+        lines.append(f"| {row['batch']} | {row['direction']} | " + " | ".join(fmt_us(x) for x in t) + " | "
+                     + " | ".join(fmt_ratio(x, t[-1]) for x in t[:-1]) + " | "
+                     + ", ".join(count(row.get(f"launches per call ({n})")) for n in names[:-1]) + " |")
     return "\n".join(lines)
 
 

@@ -22,6 +22,13 @@ batch stride 0, so it is never copied, and each element still sees only its own 
 every other access stay exactly what they were per element (the CPU runs the batch elements' threads in the
 per-element order, so even atomics add in the same order; the results are bitwise the per-element ones).
 
+That is what a GPU runs for a vmapped call. On the CPU, where a launch costs next to nothing and the twin's
+extra coordinate doubles the cost per element, a batch keeps the kernel's per-element launches and spreads them
+over the CPU threads (``warpnn_ffi.c``); ``WARPNN_BATCHED_LAUNCH=twin`` forces the twin there too.
+
+The *row twin* (``twin_of(kernel, batched=False)``) is the kernel itself with an offset on its first
+``wp.tid()`` coordinate: the CPU handler cuts one big launch into row slices for its threads with it.
+
 The two trailing ``int`` parameters let a launch cover a slice: ``warpnn_first_batch`` offsets the batch
 index and ``warpnn_first_row`` the first ``wp.tid()`` coordinate, so the native CPU handler can split one
 launch across threads (``warpnn_ffi.c``). The twin lives in a Warp module of its own (adding it to the

@@ -12,7 +12,9 @@
  *   - per device, the entry points Warp loaded (warpnn_set_cpu_entry / warpnn_set_cuda_entry).
  * Every FFI call carries the kernel id as an attribute; the four handlers below (CPU/CUDA x forward/adjoint)
  * serve every kernel. Per call they: decode attributes (launch dims, static scalars), zero the results on the
- * XLA stream, and launch Warp's kernel once per vmap batch element with per-argument pointer offsets.
+ * XLA stream, and launch Warp's kernel once per vmap batch element with per-argument pointer offsets; or, when the
+ * bridge asks (attribute twin_launch), the kernel's generated twin once for the whole batch (warpnn/_batched.py);
+ * on the CPU big launches are spread over a thread pool (see "Multi-threaded CPU launches").
  * On CUDA, zeroing and launches go straight to the driver (cuMemsetD32Async, cuLaunchKernel: addresses handed
  * in the same way, warpnn_set_driver) when the thread's current context is the kernel's; otherwise, or with
  * WARPNN_DRIVER_LAUNCH=0, through Warp's own wp_memset_device / wp_cuda_launch_kernel.
