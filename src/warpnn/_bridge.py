@@ -578,7 +578,8 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     # device launches its own batch elements) and types outputs under shard_map: see _sharding.py.
     name = f"warpnn kernel '{plan.sig.key}' ({'adjoint' if adjoint else 'forward'})"
     results = _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, _fence(operands), plan.attrs(),
-                                 aliases=aliases, has_side_effect=plan.has_side_effect and not adjoint, name=name)
+                                 aliases=aliases, has_side_effect=plan.has_side_effect and not adjoint, name=name,
+                                 kernel=(plan.sig, adjoint))
     return _fence(results)
 
 

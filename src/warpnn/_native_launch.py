@@ -53,6 +53,7 @@ from ._devices import trace_devices
 from ._ffi_attrs import SCALAR_ATTR_PREFIX
 from ._launch import _LOAD_LOCK, check_warp_supports, refuse_deterministic
 from ._signature import ArgSpec, KernelSignature
+from . import _batched
 
 ABI_VERSION = 3  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
 NATIVE_DIR = Path(__file__).resolve().with_name("_native")
@@ -217,6 +218,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.warpnn_set_cpu_entry.restype = c.c_int32
     lib.warpnn_set_cuda_entry.argtypes = [c.c_int64, c.c_int32, c.c_void_p, c.c_void_p, c.c_void_p] + [c.c_int32] * 5
     lib.warpnn_set_cuda_entry.restype = c.c_int32
+    _batched.declare_native(lib)
 
 
 def _check_array_layout() -> None:
@@ -379,6 +381,7 @@ class NativeLauncher:
             _address(core.wp_get_error_string), _address(core.wp_take_cpu_block_error), _address(resolver),
         )
         self.set_driver_path(True)
+        self.twins = _batched.NativeTwins(self._lib, self)
         for platform, fwd, adj in (
             ("cpu", self._lib.warpnn_cpu_forward, self._lib.warpnn_cpu_adjoint),
             ("CUDA", self._lib.warpnn_cuda_forward, self._lib.warpnn_cuda_adjoint),
@@ -419,6 +422,10 @@ class NativeLauncher:
             for device in trace_devices():
                 self._set_entry(kid, sig, device)
         return {KERNEL_ID_ATTR: np.int64(kid)}
+
+    def prepare_twin(self, sig: KernelSignature, batched: bool = True) -> str | None:
+        """Register the batched (or row) twin of ``sig`` (``_batched.py``); None when ready, else why not."""
+        return self.twins.prepare(sig, batched)
 
     # -- registration
 

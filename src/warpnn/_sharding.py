@@ -46,6 +46,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import _batched
+
 try:  # public JAX APIs for defining a primitive; guarded so that a JAX without them still runs warpnn
     from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
     from jax.extend.core import Primitive
@@ -109,6 +111,7 @@ class _CallSpec:
     aliases: tuple[tuple[int, int], ...] = ()  # (operand, result): the result starts as the operand's buffer
     has_side_effect: bool = False
     name: str = ""  # what errors call it, e.g. "warpnn kernel 'springs' (adjoint)"
+    kernel: Any = None  # the KernelSignature (compared by identity): lets the lowering launch its batched twin
 
     @property
     def num_batch(self) -> int:
@@ -147,11 +150,13 @@ def ffi_call(
     aliases: dict[int, int] | None = None,
     has_side_effect: bool = False,
     name: str = "",
+    kernel: Any = None,
 ) -> list[jax.Array]:
     """``jax.ffi.ffi_call(target, result_types, vmap_method="expand_dims", input_output_aliases=aliases,
     has_side_effect=...)(*operands, **attrs)``, as a primitive that shards its ``vmap`` batch dimensions under
     ``jax.jit`` and types its outputs under ``shard_map``. ``name`` says what the call is in errors
-    (``jax_debug_nans``)."""
+    (``jax_debug_nans``). With ``kernel`` (the call's KernelSignature and whether it is the adjoint), a batch
+    launches once, through the kernel's batched twin (``_batched.py``)."""
     spec = _CallSpec(
         target,
         tuple(tuple(int(d) for d in t.shape) for t in result_types),
@@ -160,6 +165,7 @@ def ffi_call(
         aliases=tuple(sorted((aliases or {}).items())),
         has_side_effect=bool(has_side_effect),
         name=name,
+        kernel=kernel,
     )
     # A call with a side effect must reach XLA even when its results are unused: jax.ffi.ffi_call carries
     # the effect, this primitive does not (JAX would drop it as dead code), so such calls are not partitioned.
@@ -185,12 +191,16 @@ def _warn_unavailable() -> None:
 # The primitive.
 
 
-def _plain_call(spec: _CallSpec, *operands):
+def _plain_call(spec: _CallSpec, *operands, platforms=None):
     """The Warp FFI call itself, on whatever (local) shapes the operands have."""
     batch = _batch_shape(spec, operands)
+    attrs = spec.ffi_attrs()
+    if spec.kernel is not None:  # one launch for the whole batch (or a CPU launch split across threads)
+        operands, extra = _batched.prepare_call(spec.kernel, batch, list(operands), attrs, platforms)
+        attrs.update(extra)
     call = jax.ffi.ffi_call(spec.target, spec.result_types(batch), vmap_method="expand_dims",
                             input_output_aliases=dict(spec.aliases) or None, has_side_effect=spec.has_side_effect)
-    return list(call(*operands, **spec.ffi_attrs()))
+    return list(call(*operands, **attrs))
 
 
 def _batch_shape(spec: _CallSpec, operands) -> tuple[int, ...]:
@@ -348,7 +358,7 @@ def _lowering(ctx, *operands, spec: _CallSpec):
         )
         fn = lambda *ops: _partitioned()(layout, *ops)  # noqa: E731
     else:
-        fn = functools.partial(_plain_call, spec)
+        fn = functools.partial(_plain_call, spec, platforms=tuple(ctx.module_context.platforms))
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 

@@ -279,6 +279,22 @@ class KernelSignature:
         return bool(option)
 
     @functools.cached_property
+    def thread_private_arrays(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(private, assigned): array parameters a thread touches only at its own first ``wp.tid()``
+        coordinate (``a[i]``, ``a[i, j]``, ``wp.atomic_add(a, i, v)``, ``a.shape``), and those the kernel stores
+        into with ``a[...] = v`` (not only accumulates into).
+
+        A CPU launch may be cut into slices of the first coordinate run by several threads (``_batched.py``):
+        a private array is written only inside the slice that owns it, so no two threads touch one element; the
+        other results of the slice are accumulated into per-thread partial buffers and summed, which is right
+        only for arrays the kernel (or its adjoint) only accumulates into. Found conservatively in the source.
+        """
+        try:
+            return _slice_access(self.kernel.adj.tree, [a.name for a in (*self.inputs, *self.outputs) if a.is_array])
+        except Exception:  # noqa: BLE001 - no source tree: nothing is private, everything may be assigned
+            return frozenset(), frozenset(a.name for a in (*self.inputs, *self.outputs) if a.is_array)
+
+    @functools.cached_property
     def input_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.inputs)
 
@@ -321,6 +337,59 @@ def _fully_written(tree: ast.AST, name: str) -> bool:
         return False
     mentions = sum(isinstance(n, ast.Name) and n.id == name for n in ast.walk(fn))
     return mentions == stores
+
+
+_ATOMIC_CALLS = {"atomic_add", "atomic_sub", "atomic_min", "atomic_max"}
+_METADATA_ATTRS = {"shape", "ndim", "strides", "size"}
+
+
+def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """See ``KernelSignature.thread_private_arrays``."""
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+    first = None
+    for stmt in fn.body:  # the first coordinate: `i = wp.tid()` or `i, j = wp.tid()` at the top level
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
+            func = stmt.value.func
+            if getattr(func, "attr", getattr(func, "id", None)) == "tid" and len(stmt.targets) == 1:
+                target = stmt.targets[0]
+                lead = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
+                first = lead.id if isinstance(lead, ast.Name) else None
+                break
+    rebinds = 0
+    for n in ast.walk(fn):  # a first coordinate bound more than once no longer names this thread's slice
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
+        for t in targets:
+            rebinds += sum(isinstance(e, ast.Name) and e.id == first for e in (t.elts if isinstance(t, ast.Tuple) else [t]))
+    if rebinds != 1:
+        first = None
+
+    def own(index: ast.AST) -> bool:
+        lead = index.elts[0] if isinstance(index, ast.Tuple) and index.elts else index
+        return first is not None and isinstance(lead, ast.Name) and lead.id == first
+
+    allowed: set[int] = set()  # ids of Name nodes used in a private way
+    assigned: set[str] = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and own(n.slice):
+            allowed.add(id(n.value))
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.attr in _METADATA_ATTRS:
+            allowed.add(id(n.value))
+        elif isinstance(n, ast.Call) and len(n.args) >= 2 and isinstance(n.args[0], ast.Name):
+            if getattr(n.func, "attr", getattr(n.func, "id", None)) in _ATOMIC_CALLS and own(n.args[1]):
+                allowed.add(id(n.args[0]))
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(e, ast.Subscript) and isinstance(e.value, ast.Name):
+                        assigned.add(e.value.id)
+        elif isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Name):
+            if getattr(n.func, "attr", getattr(n.func, "id", None)) in ("atomic_min", "atomic_max", "atomic_exch", "atomic_cas"):
+                assigned.add(n.args[0].id)  # not a sum
+    private = frozenset(
+        name for name in names
+        if all(id(n) in allowed for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name)
+    )
+    return private, frozenset(assigned & set(names))
 
 
 # --------------------------------------------------------------------------------------------------

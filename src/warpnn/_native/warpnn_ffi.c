@@ -12,7 +12,9 @@
  *   - per device, the entry points Warp loaded (warpnn_set_cpu_entry / warpnn_set_cuda_entry).
  * Every FFI call carries the kernel id as an attribute; the four handlers below (CPU/CUDA x forward/adjoint)
  * serve every kernel. Per call they: decode attributes (launch dims, static scalars), zero the results on the
- * XLA stream, and launch Warp's kernel once per vmap batch element with per-argument pointer offsets.
+ * XLA stream, and launch Warp's kernel once per vmap batch element with per-argument pointer offsets; or, when the
+ * bridge asks (attribute twin_launch), the kernel's generated twin once for the whole batch (warpnn/_batched.py);
+ * on the CPU big launches are spread over a thread pool (see "Multi-threaded CPU launches").
  * On CUDA, zeroing and launches go straight to the driver (cuMemsetD32Async, cuLaunchKernel: addresses handed
  * in the same way, warpnn_set_driver) when the thread's current context is the kernel's; otherwise, or with
  * WARPNN_DRIVER_LAUNCH=0, through Warp's own wp_memset_device / wp_cuda_launch_kernel.
@@ -148,7 +150,23 @@ typedef struct {
     int32_t* ret_param[2];             /* parameter row of each result buffer */
     _Atomic(DeviceEntry*) cpu;
     _Atomic(DeviceEntry*) cuda[kMaxCudaDevices];
+    /* The kernel's batched twin (warpnn/_batched.py), if Python registered one: the same parameters with one more
+     * leading dim on every array, a leading batch coordinate, and two trailing int offsets. */
+    _Atomic(const struct TwinLayout*) twin[2]; /* [0]: the row twin (same rank, offset first coordinate); [1]: batched */
+    _Atomic(DeviceEntry*) twin_cpu[2];
+    _Atomic(DeviceEntry*) twin_cuda[2][kMaxCudaDevices];
+    _Atomic(void*) partials; /* const PartialKinds*: how the twin's CPU slices may write each result */
 } KernelDesc;
+
+/* Immutable once published (never freed, like DeviceEntry). */
+typedef struct TwinLayout {
+    int32_t batched;    /* 1: the batched twin (a leading batch coordinate, arrays with a leading batch dim) */
+    int32_t kernel_dim; /* the twin's wp.tid() rank: the original's + batched */
+    int64_t tid_limit;
+    int32_t bounds_size, bounds_size_offset, bounds_coord_mult_offset;
+    int32_t args_size;                            /* the original struct + the two offsets */
+    int32_t first_batch_offset, first_row_offset; /* int32 fields: batch / first-coordinate offsets */
+} TwinLayout;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic(_Atomic(KernelDesc*)*) g_chunks[kMaxChunks];
@@ -404,6 +422,57 @@ WARPNN_EXPORT int32_t warpnn_set_cuda_entry(int64_t kernel_id, int32_t ordinal, 
     return 0;
 }
 
+/* The layout of the kernel's batched twin (see TwinLayout). Returns 0 on success. */
+WARPNN_EXPORT int32_t warpnn_set_twin(int64_t kernel_id, int32_t batched, int32_t kernel_dim, int64_t tid_limit,
+                                      int32_t bounds_size, int32_t bounds_size_offset,
+                                      int32_t bounds_coord_mult_offset, int32_t args_size, int32_t first_batch_offset,
+                                      int32_t first_row_offset) {
+    KernelDesc* d = lookup(kernel_id);
+    if (!d) return 1;
+    batched = batched ? 1 : 0;
+    if (kernel_dim != d->kernel_dim + batched || kernel_dim > kMaxDims || bounds_size <= 0 || bounds_size > 64 ||
+        args_size < d->args_size || first_batch_offset < d->args_size || first_row_offset < d->args_size ||
+        first_batch_offset + 4 > args_size || first_row_offset + 4 > args_size)
+        return 4;
+    TwinLayout* t = (TwinLayout*)calloc(1, sizeof(TwinLayout));
+    if (!t) return 2;
+    t->batched = batched;
+    t->kernel_dim = kernel_dim;
+    t->tid_limit = tid_limit;
+    t->bounds_size = bounds_size;
+    t->bounds_size_offset = bounds_size_offset;
+    t->bounds_coord_mult_offset = bounds_coord_mult_offset;
+    t->args_size = args_size;
+    t->first_batch_offset = first_batch_offset;
+    t->first_row_offset = first_row_offset;
+    atomic_store_explicit(&d->twin[batched], t, memory_order_release);
+    return 0;
+}
+
+/* Entry points of the batched twin on one device (cuda 0: the CPU). Returns 0 on success. */
+WARPNN_EXPORT int32_t warpnn_set_twin_entry(int64_t kernel_id, int32_t batched, int32_t cuda, int32_t ordinal,
+                                            void* context,
+                                            void* forward, void* backward, int32_t forward_smem,
+                                            int32_t backward_smem, int32_t block_dim, int32_t grid_stride,
+                                            int32_t cluster_dim) {
+    KernelDesc* d = lookup(kernel_id);
+    if (!d) return 1;
+    if (cuda && (ordinal < 0 || ordinal >= kMaxCudaDevices)) return 3;
+    DeviceEntry* e =
+        new_entry(context, forward, backward, forward_smem, backward_smem, block_dim, grid_stride, cluster_dim);
+    if (!e) return 2;
+    batched = batched ? 1 : 0;
+    atomic_store_explicit(cuda ? &d->twin_cuda[batched][ordinal] : &d->twin_cpu[batched], e, memory_order_release);
+    return 0;
+}
+
+/* Kernel launches issued by the handlers (forward / adjoint): one per call for a batched launch, one per batch
+ * element otherwise. Tests and benchmarks read it. */
+static _Atomic int64_t g_launches[2];
+WARPNN_EXPORT int64_t warpnn_kernel_launches(int32_t adjoint) {
+    return atomic_load_explicit(&g_launches[adjoint ? 1 : 0], memory_order_relaxed);
+}
+
 /* ------------------------------------------------------------------------------------------------------------
  * Helpers for the handlers
  */
@@ -526,10 +595,482 @@ typedef struct {
     uint8_t* base;                     /* buffer data, NULL for a null array_t */
     int64_t batch_stride[kMaxBatchRank]; /* bytes per step of each batch dim (0: broadcast) */
     uint8_t* field;                    /* the array_t in the args or adjoint struct */
+    int64_t source;                    /* the buffer (see Slot); <0: result -source-1 */
+    int64_t flat_stride;               /* bytes per flat batch index (0: broadcast); -1: batch dims not flat */
     int32_t grad_from;                 /* >= 0: copy that array slot's data pointer into this one's grad */
 } ArraySlot;
 
+/* ------------------------------------------------------------------------------------------------------------
+ * Multi-threaded CPU launches
+ *
+ * A CPU launch of a batched twin can be cut into slices that threads run at once: along the batch (each batch
+ * element writes only its own results: always race-free), or along the first wp.tid() coordinate, where Python's
+ * analysis says which results a slice may write outside its own rows (KernelSignature.thread_private_arrays):
+ * those get per-worker partial buffers, zeroed, which are added into the result after the launch (integer and
+ * float32/64 results; anything else keeps the launch on one thread). A pool of threads (warpnn_set_cpu_threads,
+ * sized by Python from $WARPNN_CPU_THREADS or the CPU affinity) serves one launch at a time: CPU launches are
+ * serialized anyway (g_cpu_launch_lock), and the calling XLA thread works as worker 0, so a launch never uses more
+ * threads than the pool size.
+ */
+
+enum { kMaxWorkers = 256, kPartialPrivate = -2, kPartialNone = -1 };
+
+typedef void (*pool_fn)(void* ctx, int worker, int num_workers);
+
+static pthread_mutex_t g_pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_pool_start = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t g_pool_done = PTHREAD_COND_INITIALIZER;
+static int g_pool_started;        /* worker threads created (guarded by g_pool_mu) */
+static _Atomic int g_cpu_threads = 1; /* the pool size Python asked for, caller included */
+static _Atomic int64_t g_min_per_worker = 16384; /* launch threads per worker below which a launch is not split */
+static uint64_t g_pool_generation; /* guarded by g_pool_mu */
+static int g_pool_pending;
+static pool_fn g_job_fn;
+static void* g_job_ctx;
+static int g_job_workers;
+static _Atomic int64_t g_threaded_launches;
+
+static void* pool_main(void* arg) {
+    int index = (int)(intptr_t)arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&g_pool_mu);
+    for (;;) {
+        while (g_pool_generation == seen) pthread_cond_wait(&g_pool_start, &g_pool_mu);
+        seen = g_pool_generation;
+        if (index >= g_job_workers) continue;
+        pool_fn fn = g_job_fn;
+        void* ctx = g_job_ctx;
+        int n = g_job_workers;
+        pthread_mutex_unlock(&g_pool_mu);
+        fn(ctx, index, n);
+        pthread_mutex_lock(&g_pool_mu);
+        if (--g_pool_pending == 0) pthread_cond_signal(&g_pool_done);
+    }
+    return NULL;
+}
+
+/* Runs fn(ctx, w, n) for w = 0..n-1, worker 0 on the calling thread; returns the number of workers used. */
+static int pool_run(pool_fn fn, void* ctx, int n) {
+    if (n > 1) {
+        pthread_mutex_lock(&g_pool_mu);
+        while (g_pool_started < n - 1 && g_pool_started < kMaxWorkers - 1) {
+            pthread_t t;
+            pthread_attr_t attr;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            int rc = pthread_create(&t, &attr, pool_main, (void*)(intptr_t)(g_pool_started + 1));
+            pthread_attr_destroy(&attr);
+            if (rc != 0) break;
+            ++g_pool_started;
+        }
+        if (n - 1 > g_pool_started) n = g_pool_started + 1;
+        if (n > 1) {
+            g_job_fn = fn;
+            g_job_ctx = ctx;
+            g_job_workers = n;
+            g_pool_pending = n - 1;
+            ++g_pool_generation;
+            pthread_cond_broadcast(&g_pool_start);
+        }
+        pthread_mutex_unlock(&g_pool_mu);
+    }
+    fn(ctx, 0, n);
+    if (n > 1) {
+        pthread_mutex_lock(&g_pool_mu);
+        while (g_pool_pending > 0) pthread_cond_wait(&g_pool_done, &g_pool_mu);
+        pthread_mutex_unlock(&g_pool_mu);
+    }
+    return n;
+}
+
+/* Pool size (caller included; 1 = every launch on the calling thread) and the smallest slice worth a thread. */
+WARPNN_EXPORT void warpnn_set_cpu_threads(int32_t threads, int64_t min_per_worker) {
+    atomic_store(&g_cpu_threads, threads < 1 ? 1 : threads > kMaxWorkers ? kMaxWorkers : threads);
+    if (min_per_worker > 0) atomic_store(&g_min_per_worker, min_per_worker);
+}
+
+WARPNN_EXPORT int64_t warpnn_threaded_launches(void) {
+    return atomic_load_explicit(&g_threaded_launches, memory_order_relaxed);
+}
+
+/* How each result of a mode may be written by a slice of the first coordinate (kPartialPrivate: only in its own
+ * rows; a K_* kind: anywhere, reduced through partial buffers of that kind; kPartialNone: anywhere, no reduction
+ * known: such a launch is not split by rows). */
+typedef struct {
+    int32_t num[2];
+    int32_t* kind[2];
+} PartialKinds;
+
+WARPNN_EXPORT int32_t warpnn_set_twin_partials(int64_t kernel_id, int32_t num_fwd, const int32_t* fwd,
+                                               int32_t num_adj, const int32_t* adj) {
+    KernelDesc* d = lookup(kernel_id);
+    if (!d) return 1;
+    if (num_fwd != d->num_rets[0] || num_adj != d->num_rets[1] || num_fwd > 64 || num_adj > 64) return 4;
+    PartialKinds* pk = (PartialKinds*)calloc(1, sizeof(PartialKinds));
+    if (!pk) return 2;
+    pk->num[0] = num_fwd;
+    pk->num[1] = num_adj;
+    for (int m = 0; m < 2; ++m) {
+        pk->kind[m] = (int32_t*)calloc((size_t)(pk->num[m] ? pk->num[m] : 1), sizeof(int32_t));
+        if (!pk->kind[m]) return 2;
+        memcpy(pk->kind[m], m ? adj : fwd, sizeof(int32_t) * (size_t)pk->num[m]);
+    }
+    atomic_store_explicit(&d->partials, (void*)pk, memory_order_release);
+    return 0;
+}
+
+typedef struct {
+    void* fn;
+    int mode;
+    const TwinLayout* twin;
+    const uint8_t* bounds;        /* the whole launch's twin bounds */
+    int split_dim;                /* index in the bounds of the dim the slices cut */
+    int32_t split_field;          /* args-struct offset of the int receiving a slice's first index */
+    int32_t other_field;          /* the other offset, 0 */
+    int64_t extent;               /* of the split dim */
+    int64_t threads_per_index;    /* launch threads per index of the split dim */
+    const uint8_t* args;          /* templates */
+    const uint8_t* adj;
+    size_t args_bytes;
+    const ArraySlot* arrays;
+    int32_t num_arrays;
+    uint8_t* scratch_args;        /* num_workers * 2 * args_bytes */
+    /* partial results: per result, kind (kPartialPrivate: none), bytes, data; per worker >= 1 a buffer */
+    int32_t num_rets;
+    const int32_t* kinds;
+    const size_t* ret_bytes;
+    uint8_t* const* ret_data;
+    uint8_t* partials;            /* (num_workers - 1) * sum of partial result bytes */
+    const size_t* partial_offset; /* per result, offset in one worker's partial area */
+    size_t partial_stride;        /* bytes of one worker's partial area */
+    int32_t scalar_bytes_of[64];
+} CpuSplit;
+
+static void cpu_split_launch(void* ctx_, int w, int n) {
+    CpuSplit* c = (CpuSplit*)ctx_;
+    int64_t lo = c->extent * w / n, hi = c->extent * (w + 1) / n;
+    uint8_t* args = c->scratch_args + (size_t)w * 2 * c->args_bytes;
+    uint8_t* adj = args + c->args_bytes;
+    memcpy(args, c->args, c->args_bytes);
+    memcpy(adj, c->adj, c->args_bytes);
+    int32_t first = (int32_t)lo, zero = 0;
+    memcpy(args + c->other_field, &zero, 4);
+    memcpy(args + c->split_field, &first, 4);
+    if (w > 0 && c->partials) {
+        uint8_t* mine = c->partials + (size_t)(w - 1) * c->partial_stride;
+        for (int32_t r = 0; r < c->num_rets; ++r)
+            if (c->kinds[r] != kPartialPrivate) memset(mine + c->partial_offset[r], 0, c->ret_bytes[r]);
+        for (int32_t k = 0; k < c->num_arrays; ++k) {
+            const ArraySlot* as = &c->arrays[k];
+            if (as->source >= 0 || c->kinds[-as->source - 1] == kPartialPrivate) continue;
+            uint8_t* field = args + (as->field - c->args); /* adj follows args in both the template and here */
+            uint64_t data = (uint64_t)(uintptr_t)(mine + c->partial_offset[-as->source - 1]);
+            memcpy(field + offsetof(wp_array_t, data), &data, sizeof(data));
+        }
+    }
+    uint8_t bounds[64];
+    memcpy(bounds, c->bounds, sizeof(bounds));
+    uint32_t e32 = (uint32_t)(hi - lo);
+    memcpy(bounds + 4 * c->split_dim, &e32, 4);
+    size_t size_field = (size_t)((hi - lo) * c->threads_per_index);
+    memcpy(bounds + c->twin->bounds_size_offset, &size_field, sizeof(size_t));
+    if (hi > lo) {
+        if (c->mode)
+            ((cpu_backward_fn)c->fn)(bounds, args, adj);
+        else
+            ((cpu_forward_fn)c->fn)(bounds, args);
+    }
+}
+
+/* After the launch: result[slice] += partial_1[slice] + ... + partial_{n-1}[slice], slices by worker. */
+typedef struct {
+    CpuSplit* split;
+    int launch_workers;
+} CpuReduce;
+
+static void cpu_split_reduce(void* ctx_, int w, int n) {
+    CpuReduce* red = (CpuReduce*)ctx_;
+    CpuSplit* c = red->split;
+    for (int32_t r = 0; r < c->num_rets; ++r) {
+        int32_t kind = c->kinds[r];
+        if (kind == kPartialPrivate) continue;
+        size_t item = (size_t)c->scalar_bytes_of[r];
+        size_t count = c->ret_bytes[r] / item, lo = count * (size_t)w / (size_t)n, hi = count * (size_t)(w + 1) / (size_t)n;
+        for (int p = 1; p < red->launch_workers; ++p) {
+            const uint8_t* src = c->partials + (size_t)(p - 1) * c->partial_stride + c->partial_offset[r];
+            uint8_t* dst = c->ret_data[r];
+#define WARPNN_ADD(T)                                                                            \
+    for (size_t i = lo; i < hi; ++i) ((T*)dst)[i] = (T)(((T*)dst)[i] + ((const T*)src)[i]);
+            if (kind == K_FLOAT && item == 4) { WARPNN_ADD(float) }
+            else if (kind == K_FLOAT && item == 8) { WARPNN_ADD(double) }
+            else if (item == 1) { WARPNN_ADD(uint8_t) }
+            else if (item == 2) { WARPNN_ADD(uint16_t) }
+            else if (item == 4) { WARPNN_ADD(uint32_t) }
+            else if (item == 8) { WARPNN_ADD(uint64_t) }
+#undef WARPNN_ADD
+        }
+    }
+}
+
+/* A CPU batch's per-element launches of the kernel itself, batch elements split across workers: each element
+ * writes only its own results, so this is race-free and bitwise the one-thread loop. */
+typedef struct {
+    void* fn;
+    int mode;
+    const uint8_t* bounds;
+    const uint8_t* args; /* templates; adj follows args */
+    size_t args_bytes;
+    const ArraySlot* arrays;
+    int32_t num_arrays;
+    const int64_t* batch;
+    int64_t batch_rank, num_batch;
+    uint8_t* scratch; /* num_workers * 2 * args_bytes */
+} CpuLoop;
+
+static void cpu_loop_slice(void* ctx_, int w, int n) {
+    CpuLoop* c = (CpuLoop*)ctx_;
+    int64_t lo = c->num_batch * w / n, hi = c->num_batch * (w + 1) / n;
+    uint8_t* args = c->scratch + (size_t)w * 2 * c->args_bytes;
+    uint8_t* adj = args + c->args_bytes;
+    memcpy(args, c->args, 2 * c->args_bytes);
+    for (int64_t b = lo; b < hi; ++b) {
+        int64_t index[kMaxBatchRank], rest = b;
+        for (int64_t j = c->batch_rank - 1; j >= 0; --j) {
+            index[j] = rest % c->batch[j];
+            rest /= c->batch[j];
+        }
+        for (int32_t k = 0; k < c->num_arrays; ++k) {
+            const ArraySlot* as = &c->arrays[k];
+            int64_t offset = 0;
+            for (int64_t j = 0; j < c->batch_rank; ++j) offset += index[j] * as->batch_stride[j];
+            uint64_t data = (uint64_t)(uintptr_t)(as->base + offset);
+            memcpy(args + (as->field - c->args) + offsetof(wp_array_t, data), &data, sizeof(data));
+        }
+        for (int32_t k = 0; k < c->num_arrays; ++k)
+            if (c->arrays[k].grad_from >= 0)
+                memcpy(args + (c->arrays[k].field - c->args) + offsetof(wp_array_t, grad),
+                       args + (c->arrays[c->arrays[k].grad_from].field - c->args) + offsetof(wp_array_t, data),
+                       sizeof(uint64_t));
+        if (c->mode)
+            ((cpu_backward_fn)c->fn)((void*)c->bounds, args, adj);
+        else
+            ((cpu_forward_fn)c->fn)((void*)c->bounds, args);
+    }
+}
+
+/* Scratch reused across CPU launches (guarded by g_cpu_launch_lock). */
+static uint8_t* g_cpu_scratch;
+static size_t g_cpu_scratch_size;
+
+static uint8_t* cpu_scratch(size_t n) {
+    if (n > g_cpu_scratch_size) {
+        uint8_t* p = (uint8_t*)realloc(g_cpu_scratch, n);
+        if (!p) return NULL;
+        g_cpu_scratch = p;
+        g_cpu_scratch_size = n;
+    }
+    return g_cpu_scratch;
+}
+
 static const char* const kDirection[2] = {"forward", "adjoint"};
+
+/* One launch of the batched twin over (batch, launch dims...): every array gets the leading batch dim (stride 0 where
+ * the buffer is broadcast), the offsets are 0; on the CPU the launch may be cut into slices for several threads. The
+ * results have been zeroed already. */
+static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, const TwinLayout* twin,
+                                  const DeviceEntry* te, void* fn, int mode, int cuda, int32_t ordinal, void* stream,
+                                  const DriverApi* driver, const XLA_FFI_Array* dims_attr, int64_t num_batch,
+                                  XLA_FFI_CallFrame* frame, uint8_t* args_struct, uint8_t* adj_struct,
+                                  size_t args_bytes, ArraySlot* arrays, int32_t num_arrays) {
+    const char* kname = d->name;
+    const int batched = twin->batched;
+    /* arrays: one more leading dim (batched twin), null arrays too */
+    for (int32_t s = 0; batched && s < d->num_slots[mode]; ++s) {
+        const Slot* slot = &d->slots[mode][s];
+        const int64_t* p = d->params + (size_t)slot->param * P_NCOLS;
+        if (!p[P_IS_ARRAY]) continue;
+        uint8_t* field = (slot->adjoint ? adj_struct : args_struct) + p[P_OFFSET];
+        wp_array_t a;
+        memcpy(&a, field, sizeof(a));
+        int64_t flat = 0;
+        for (int32_t k = 0; k < num_arrays; ++k)
+            if (arrays[k].field == field) {
+                flat = arrays[k].flat_stride;
+                uint64_t data = (uint64_t)(uintptr_t)arrays[k].base;
+                memcpy(&a.data, &data, sizeof(data));
+            }
+        for (int k = kMaxDims - 1; k > 0; --k) {
+            a.shape[k] = a.shape[k - 1];
+            a.strides[k] = a.strides[k - 1];
+        }
+        a.shape[0] = a.data ? (int32_t)num_batch : 0;
+        a.strides[0] = (int32_t)flat;
+        a.ndim = (uint16_t)(p[P_WARP_NDIM] + 1);
+        memcpy(field, &a, sizeof(a));
+    }
+    for (int32_t k = 0; !batched && k < num_arrays; ++k) { /* the row twin: the arrays as they are (batch of 1) */
+        uint64_t data = (uint64_t)(uintptr_t)arrays[k].base;
+        memcpy(arrays[k].field + offsetof(wp_array_t, data), &data, sizeof(data));
+    }
+    int32_t zero = 0;
+    memcpy(args_struct + twin->first_batch_offset, &zero, 4);
+    memcpy(args_struct + twin->first_row_offset, &zero, 4);
+
+    /* bounds: ([batch,] launch dims padded with 1 to the kernel's rank) */
+    const int64_t* dims = (const int64_t*)dims_attr->data;
+    uint8_t bounds[64];
+    memset(bounds, 0, sizeof(bounds));
+    uint64_t per_batch = 1;
+    uint32_t e32 = (uint32_t)num_batch;
+    if (batched) memcpy(bounds, &e32, 4);
+    for (int32_t i = 0; i < d->kernel_dim; ++i) {
+        int64_t extent = i < (int32_t)dims_attr->size ? dims[i] : 1;
+        per_batch *= (uint64_t)extent;
+        e32 = (uint32_t)extent;
+        memcpy(bounds + 4 * (i + batched), &e32, 4);
+    }
+    uint64_t total = per_batch * (uint64_t)num_batch;
+    size_t size_field = (size_t)total, mult_field = 1;
+    memcpy(bounds + twin->bounds_size_offset, &size_field, sizeof(size_t));
+    memcpy(bounds + twin->bounds_coord_mult_offset, &mult_field, sizeof(size_t));
+    atomic_fetch_add_explicit(&g_launches[mode], 1, memory_order_relaxed);
+
+    if (cuda) {
+        void* params[1 + 2 * 512];
+        int32_t num_slots = d->num_slots[mode];
+        if (num_slots + 3 > (int32_t)(sizeof(params) / sizeof(params[0])))
+            return make_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "warpnn: kernel '%s': too many parameters",
+                              kname);
+        /* Warp's CUDA entry takes (bounds, each primal param, [each adjoint param]): the twin has two more int
+         * params after the original's, in both structs */
+        int32_t n = 0, num_params = d->num_params;
+        params[n++] = bounds;
+        for (int32_t s = 0; s < num_params; ++s)
+            params[n++] = args_struct + d->params[(size_t)s * P_NCOLS + P_OFFSET];
+        params[n++] = args_struct + twin->first_batch_offset;
+        params[n++] = args_struct + twin->first_row_offset;
+        if (mode) {
+            for (int32_t s = 0; s < num_params; ++s)
+                params[n++] = adj_struct + d->params[(size_t)s * P_NCOLS + P_OFFSET];
+            params[n++] = adj_struct + twin->first_batch_offset;
+            params[n++] = adj_struct + twin->first_row_offset;
+        }
+        uint64_t grid = te->block_dim > 0 ? (total + (uint64_t)te->block_dim - 1) / (uint64_t)te->block_dim : 0;
+        if (driver && te->cluster_dim <= 1 && te->block_dim > 0 && grid <= (uint64_t)INT32_MAX) {
+            int rc = driver->launch_kernel(fn, (unsigned)grid, 1, 1, (unsigned)te->block_dim, 1, 1,
+                                           (unsigned)(mode ? te->backward_smem : te->forward_smem), stream, params,
+                                           NULL);
+            if (rc != 0)
+                return make_error(api, XLA_FFI_Error_Code_INTERNAL,
+                                  "warpnn: CUDA launch of batched %s kernel '%s' on device %d failed: %s",
+                                  kDirection[mode], kname, (int)ordinal, driver_error(driver, rc));
+            atomic_fetch_add_explicit(&g_driver_launches, 1, memory_order_relaxed);
+            return NULL;
+        }
+        cuda_launch_fn launch = atomic_load(&g_cuda_launch);
+        if (!launch)
+            return make_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION,
+                              "warpnn: kernel '%s': Warp's CUDA launcher is not set", kname);
+        size_t failed = launch(te->context, fn, (size_t)total, 0, te->block_dim, te->grid_stride, te->cluster_dim,
+                               mode ? te->backward_smem : te->forward_smem, params, stream, NULL);
+        if (failed) {
+            error_string_fn es = atomic_load(&g_error_string);
+            return make_error(api, XLA_FFI_Error_Code_INTERNAL,
+                              "warpnn: CUDA launch of batched %s kernel '%s' on device %d failed: %s",
+                              kDirection[mode], kname, (int)ordinal, es ? es() : "?");
+        }
+        return NULL;
+    }
+
+    /* CPU: how many workers, along which dim */
+    CpuSplit c;
+    memset(&c, 0, sizeof(c));
+    c.fn = fn;
+    c.mode = mode;
+    c.twin = twin;
+    c.bounds = bounds;
+    c.args = args_struct;
+    c.adj = adj_struct;
+    c.args_bytes = args_bytes;
+    c.arrays = arrays;
+    c.num_arrays = num_arrays;
+    int threads = atomic_load(&g_cpu_threads);
+    int64_t min_work = atomic_load(&g_min_per_worker);
+    int64_t by_work = (int64_t)(total / (uint64_t)(min_work > 0 ? min_work : 1));
+    int workers = threads < by_work ? threads : (int)(by_work < 1 ? 1 : by_work);
+    const PartialKinds* pk = (const PartialKinds*)atomic_load_explicit(&((KernelDesc*)d)->partials, memory_order_acquire);
+    size_t partial_stride = 0;
+    size_t ret_bytes[64], partial_offset[64];
+    uint8_t* ret_data[64];
+    int32_t kinds[64];
+    if (workers > 1 && batched && num_batch >= workers) {
+        c.split_dim = 0;
+        c.split_field = twin->first_batch_offset;
+        c.other_field = twin->first_row_offset;
+        c.extent = num_batch;
+        c.threads_per_index = (int64_t)per_batch;
+    } else if (workers > 1 && num_batch == 1 && d->kernel_dim >= 1 && pk && d->num_rets[mode] <= 64 &&
+               pk->num[mode] == d->num_rets[mode]) {
+        c.split_dim = batched;
+        c.split_field = twin->first_row_offset;
+        c.other_field = twin->first_batch_offset;
+        c.extent = (int64_t)(dims_attr->size >= 1 ? dims[0] : 1);
+        c.threads_per_index = (int64_t)(per_batch / (uint64_t)(c.extent > 0 ? c.extent : 1));
+        if (workers > c.extent) workers = (int)c.extent;
+        for (int32_t r = 0; r < d->num_rets[mode]; ++r) {
+            const XLA_FFI_Buffer* buf = (const XLA_FFI_Buffer*)frame->rets.rets[r];
+            const int64_t* p = d->params + (size_t)d->ret_param[mode][r] * P_NCOLS;
+            size_t nbytes = (size_t)p[P_SCALAR_BYTES];
+            for (int64_t k = 0; k < buf->rank; ++k) nbytes *= (size_t)buf->dims[k];
+            kinds[r] = pk->kind[mode][r];
+            ret_bytes[r] = nbytes;
+            ret_data[r] = (uint8_t*)buf->data;
+            c.scalar_bytes_of[r] = (int32_t)p[P_SCALAR_BYTES];
+            if (kinds[r] == kPartialNone) workers = 1;
+            if (kinds[r] != kPartialPrivate && kinds[r] != kPartialNone) {
+                partial_offset[r] = partial_stride;
+                partial_stride += (nbytes + 63u) & ~(size_t)63u;
+            }
+        }
+        /* partial buffers cost their zeroing and reduction: keep them within a few times the launch's threads */
+        if (partial_stride && workers > 1) {
+            int64_t affordable = 1 + (int64_t)(16 * total / (partial_stride ? partial_stride : 1));
+            if (workers > affordable) workers = (int)affordable;
+        }
+    } else {
+        workers = 1;
+    }
+    if (workers < 2) {
+        if (mode)
+            ((cpu_backward_fn)fn)(bounds, args_struct, adj_struct);
+        else
+            ((cpu_forward_fn)fn)(bounds, args_struct);
+        return NULL;
+    }
+    c.num_rets = d->num_rets[mode];
+    c.kinds = kinds;
+    c.ret_bytes = ret_bytes;
+    c.ret_data = ret_data;
+    c.partial_offset = partial_offset;
+    c.partial_stride = partial_stride;
+    size_t structs = (size_t)workers * 2 * args_bytes;
+    uint8_t* scratch = cpu_scratch(structs + (size_t)(workers - 1) * partial_stride);
+    if (!scratch)
+        return make_error(api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "warpnn: kernel '%s': out of host memory",
+                          kname);
+    c.scratch_args = scratch;
+    int by_rows = c.split_field == twin->first_row_offset;
+    c.partials = by_rows && partial_stride ? scratch + structs : NULL;
+    if (!by_rows) c.num_rets = 0;
+    /* fewer threads than asked (thread creation failed) still cover the launch: slices follow the count used */
+    int used = pool_run(cpu_split_launch, &c, workers);
+    if (c.partials) {
+        CpuReduce red = {&c, used};
+        pool_run(cpu_split_reduce, &red, workers);
+    }
+    atomic_fetch_add_explicit(&g_threaded_launches, 1, memory_order_relaxed);
+    return NULL;
+}
 
 /* ------------------------------------------------------------------------------------------------------------
  * The handler: one body, specialised for (CPU|CUDA) x (forward|adjoint)
@@ -555,6 +1096,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
 
     /* ---- attributes: kernel_id, launch_dims; scalars are read per parameter below */
     int64_t kernel_id = -1;
+    int twin_launch = 0; /* 1: the bridge asks for one launch of the batched twin (see _batched.py) */
     const XLA_FFI_Array* dims_attr = NULL;
     const XLA_FFI_Attrs* attrs = &frame->attrs;
     for (int64_t i = 0; i < attrs->size; ++i) {
@@ -569,6 +1111,13 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
                                   "warpnn native %s handler: attribute 'kernel_id' must be an integer scalar",
                                   kDirection[mode]);
             kernel_id = iv;
+        } else if (span_equals(name, "twin_launch", 11)) {
+            int64_t iv = 0;
+            double fv;
+            int is_float;
+            if (attrs->types[i] == XLA_FFI_AttrType_SCALAR &&
+                read_scalar((const XLA_FFI_Scalar*)attrs->attrs[i], &iv, &fv, &is_float) && !is_float)
+                twin_launch = iv != 0;
         } else if (span_equals(name, "launch_dims", 11)) {
             if (attrs->types[i] != XLA_FFI_AttrType_ARRAY)
                 return make_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
@@ -701,7 +1250,11 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
 
     /* ---- scratch: args struct, adjoint struct, array slots, CUDA parameter pointers */
     int32_t num_slots = d->num_slots[mode];
-    size_t args_bytes = ((size_t)d->args_size + 15u) & ~(size_t)15u;
+    /* the row twin for a CPU call without batch, the batched twin otherwise (see _batched.prepare_call) */
+    const int want_batched = cuda || num_batch > 1;
+    const TwinLayout* twin = twin_launch ? atomic_load_explicit(&d->twin[want_batched], memory_order_acquire) : NULL;
+    size_t args_bytes = ((size_t)(twin && twin->args_size > d->args_size ? twin->args_size : d->args_size) + 15u) &
+                        ~(size_t)15u;
     size_t need = 2 * args_bytes + sizeof(ArraySlot) * (size_t)num_slots + sizeof(void*) * (size_t)(num_slots + 1);
     uint8_t stack_scratch[kStackScratch] __attribute__((aligned(16)));
     uint8_t* scratch = need <= sizeof(stack_scratch) ? stack_scratch : (uint8_t*)malloc(need);
@@ -790,6 +1343,8 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
          * false for it, as for None: XLA may give zero-size buffers a non-null address. */
         as->base = stride ? (uint8_t*)buf->data : NULL;
         as->field = field;
+        as->source = slot->source;
+        int64_t element_bytes = stride;
         as->grad_from = -1;
         for (int64_t k = batch_rank - 1, own = lead - 1; k >= 0; --k, --own) {
             if (own < 0) {
@@ -809,6 +1364,15 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
             }
             stride *= extent;
         }
+        /* The batch dims flatten to one stride when the buffer is broadcast along all of them, or batched along
+         * all of them (strides element_bytes * the batch dims to the right); a mix needs one launch per element. */
+        int all_broadcast = 1, all_batched = 1;
+        for (int64_t k = batch_rank - 1, right = 1; k >= 0; right *= batch[k], --k) {
+            if (batch[k] == 1) continue;
+            if (as->batch_stride[k] != 0) all_broadcast = 0;
+            if (as->batch_stride[k] != element_bytes * right) all_batched = 0;
+        }
+        as->flat_stride = all_broadcast ? 0 : all_batched ? element_bytes : -1;
         memcpy(field, &a, sizeof(a));
     }
     kernel_params[0] = bounds;
@@ -865,6 +1429,25 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     }
     if (total == 0) goto done;
 
+    /* ---- one launch of the batched twin for the whole batch; on the CPU, maybe cut into slices on several threads */
+    if (twin_launch && twin && (int32_t)dims_attr->size <= d->kernel_dim && num_batch <= INT32_MAX &&
+        (twin->tid_limit < 0 || num_batch <= twin->tid_limit)) {
+        DeviceEntry* te = atomic_load_explicit(cuda ? &d->twin_cuda[want_batched][ordinal] : &d->twin_cpu[want_batched],
+                                               memory_order_acquire);
+        void* tfn = te ? (mode ? te->backward : te->forward) : NULL;
+        int flat = tfn != NULL && (!cuda || te->context == entry->context);
+        for (int32_t k = 0; flat && k < num_arrays; ++k)
+            flat = arrays[k].flat_stride >= 0 && (uint64_t)arrays[k].flat_stride * (uint64_t)num_batch <= INT32_MAX &&
+                   arrays[k].grad_from < 0; /* grad aliases are set per element: keep those on the loop */
+        if (flat) {
+            if (!cuda) pthread_mutex_lock(&g_cpu_launch_lock); /* also guards the thread pool and its scratch */
+            error = launch_twin(api, d, twin, te, tfn, mode, cuda, ordinal, stream, driver, dims_attr, num_batch,
+                                frame, args_struct, adj_struct, args_bytes, arrays, num_arrays);
+            if (!cuda) pthread_mutex_unlock(&g_cpu_launch_lock);
+            goto done;
+        }
+    }
+
     /* ---- one launch per batch element */
     int64_t index[kMaxBatchRank];
     memset(index, 0, sizeof(index));
@@ -874,6 +1457,23 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     if (cuda && !launch)
         FAIL(XLA_FFI_Error_Code_FAILED_PRECONDITION, "warpnn: kernel '%s': Warp's CUDA launcher is not set", kname);
     if (!cuda) pthread_mutex_lock(&g_cpu_launch_lock);
+    if (!cuda && !cpu_blocks && num_batch > 1) { /* the batch's elements on the CPU threads */
+        int threads = atomic_load(&g_cpu_threads);
+        int64_t min_work = atomic_load(&g_min_per_worker);
+        uint64_t by_work = total * (uint64_t)num_batch / (uint64_t)(min_work > 0 ? min_work : 1);
+        int workers = threads;
+        if ((uint64_t)workers > by_work) workers = (int)(by_work < 1 ? 1 : by_work);
+        if (workers > num_batch) workers = (int)num_batch;
+        uint8_t* scratch = workers > 1 ? cpu_scratch((size_t)workers * 2 * args_bytes) : NULL;
+        if (scratch) {
+            CpuLoop loop = {fn, mode, bounds, args_struct, args_bytes, arrays, num_arrays, batch, batch_rank,
+                            num_batch, scratch};
+            pool_run(cpu_loop_slice, &loop, workers);
+            atomic_fetch_add_explicit(&g_launches[mode], num_batch, memory_order_relaxed);
+            atomic_fetch_add_explicit(&g_threaded_launches, 1, memory_order_relaxed);
+            num_batch = 0; /* done: skip the loop below */
+        }
+    }
     for (int64_t b = 0; b < num_batch; ++b) {
         for (int32_t k = 0; k < num_arrays; ++k) {
             ArraySlot* as = &arrays[k];
@@ -920,6 +1520,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
                 }
             }
         }
+        atomic_fetch_add_explicit(&g_launches[mode], 1, memory_order_relaxed);
         for (int64_t j = batch_rank - 1; j >= 0; --j) { /* next batch index, last dim fastest */
             if (++index[j] < batch[j]) break;
             index[j] = 0;

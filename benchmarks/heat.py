@@ -1,0 +1,260 @@
+"""A 2-D periodic heat-diffusion stencil in a 50-step ``lax.scan``: one Warp kernel vs ``jnp.roll`` in pure JAX,
+and the CPU-threads scaling of warpnn's CPU launches.
+
+``out[i, j] = u[i, j] + alpha[0] * c * laplacian(u)[i, j]`` with neighbours wrapped by branches (no modulo).
+fwd: the scan; fwd+bwd: the gradient of a weighted sum of the final field w.r.t. ``alpha``. Implementations in
+alternating rounds of one process: warpnn with every CPU thread (``WARPNN_CPU_THREADS``, default the CPUs this
+process may use), warpnn on one thread (the kernel's own module, as before threading), pure JAX.
+
+``--opt-levels`` times the stencil kernel alone (``wp.launch``, recorded commands, one thread) built at Warp's
+default ``-O2``, at ``-O3`` and at ``-O3 -march=native``, in alternating rounds: where a CPU element-step goes.
+
+``--threads-table`` adds the scaling table (1, 2, all threads) for the stencil and two large kernels: an
+elementwise one (race-free: slices write their own rows) and a spring-forces scatter (slices accumulate
+into per-thread partial buffers, summed after the launch).
+
+    python -m benchmarks.heat [--sizes 64,256] [--steps 50] [--threads-table] [--opt-levels] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import warp as wp
+
+import warpnn
+from warpnn import _batched
+from warpnn._launch import LAUNCHER
+from warpnn.kernels import cloth
+
+from .common import environment, fmt_ratio, fmt_us, time_interleaved
+from .models import spring_problem
+
+wp.config.quiet = True
+C = 0.2
+
+
+@wp.kernel
+def heat_step(u: wp.array2d(dtype=float), alpha: wp.array(dtype=float), c: float, out: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    n = u.shape[0]
+    m = u.shape[1]
+    ip = i + 1
+    if ip == n:
+        ip = 0
+    im = i - 1
+    if im < 0:
+        im = n - 1
+    jp = j + 1
+    if jp == m:
+        jp = 0
+    jm = j - 1
+    if jm < 0:
+        jm = m - 1
+    lap = u[ip, j] + u[im, j] + u[i, jp] + u[i, jm] - 4.0 * u[i, j]
+    out[i, j] = u[i, j] + alpha[0] * c * lap
+
+
+def heat_step_jax(u, alpha, c):
+    lap = jnp.roll(u, 1, 0) + jnp.roll(u, -1, 0) + jnp.roll(u, 1, 1) + jnp.roll(u, -1, 1) - 4.0 * u
+    return u + alpha[0] * c * lap
+
+
+@wp.kernel
+def saxpy_like(x: wp.array(dtype=float), a: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = a[0] * x[i] + wp.sin(x[i])
+
+
+_HEAT = warpnn.jax_kernel(heat_step)
+_SAXPY = warpnn.jax_kernel(saxpy_like)
+
+
+def _warp_step(u, alpha):
+    return _HEAT(u, alpha, C)[0]
+
+
+def _jax_step(u, alpha):
+    return heat_step_jax(u, alpha, C)
+
+
+def scan_fns(step, steps: int, weights):
+    def fwd(u, alpha):
+        out, _ = jax.lax.scan(lambda c, _: (step(c, alpha), None), u, None, length=steps)
+        return out
+
+    def loss(alpha, u):
+        return jnp.vdot(weights, fwd(u, alpha))
+
+    return fwd, jax.grad(loss)
+
+
+class _Threads:
+    """A compiled call that runs with ``threads`` CPU launch threads (set before each call: the pool is global)."""
+
+    def __init__(self, fn, args, threads: int):
+        self.threads = threads
+        self._set(threads)
+        self.compiled = jax.jit(fn).lower(*args).compile()  # the twin decision is made while lowering
+
+    @staticmethod
+    def _set(threads: int):
+        twins = getattr(LAUNCHER.impl, "twins", None)
+        if twins is not None:
+            twins.set_cpu_threads(threads)
+
+    def __call__(self, *args):
+        self._set(self.threads)
+        return self.compiled(*args)
+
+
+def all_threads() -> int:
+    return _batched.cpu_thread_config()[0]
+
+
+def bench_heat(sizes, steps: int) -> list[dict]:
+    rows = []
+    full = all_threads()
+    for n in sizes:
+        u = jax.random.normal(jax.random.PRNGKey(n), (n, n))
+        alpha = jnp.array([0.5])
+        weights = jax.random.normal(jax.random.PRNGKey(1), (n, n))
+        ours_fwd, ours_grad = scan_fns(_warp_step, steps, weights)
+        ref_fwd, ref_grad = scan_fns(_jax_step, steps, weights)
+        for direction, ours, ref, args in (("fwd", ours_fwd, ref_fwd, (u, alpha)), ("fwd+bwd", ours_grad, ref_grad, (alpha, u))):
+            cases = {f"warpnn {full} threads": (_Threads(ours, args, full), args)}
+            if full > 1 and jax.default_backend() == "cpu":
+                cases["warpnn 1 thread"] = (_Threads(ours, args, 1), args)
+            cases["pure JAX"] = (jax.jit(ref).lower(*args).compile(), args)
+            times = time_interleaved(cases, rounds=8, per_round=3)
+            _Threads._set(full)
+            rows.append({"size": n, "direction": direction, "steps": steps,
+                         **{name: (t if isinstance(t, float) else None) for name, t in times.items()}})
+            print(f"{n}^2 {direction}: " + "  ".join(f"{k}: {fmt_us(v if isinstance(v, float) else None)} µs" for k, v in times.items()),
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def bench_threads(n_elementwise: int, cloth_n: int, heat_n: int) -> list[dict]:
+    full = all_threads()
+    counts = sorted({1, 2, full})
+    x = jax.random.normal(jax.random.PRNGKey(0), (n_elementwise,))
+    a = jnp.array([0.3])
+    px, pv, springs, k, d, r, w = spring_problem(cloth_n)
+    u = jax.random.normal(jax.random.PRNGKey(2), (heat_n, heat_n))
+    alpha = jnp.array([0.5])
+    kernels = {
+        f"elementwise, {n_elementwise} elements, fwd": (lambda x, a: _SAXPY(x, a)[0], (x, a)),
+        f"springs scatter, {springs.shape[0]} springs, fwd": (lambda x, v: cloth.spring_forces(x, v, springs, k, d, r), (px, pv)),
+        f"springs scatter, {springs.shape[0]} springs, fwd+bwd": (
+            jax.grad(lambda x, v: jnp.vdot(w, cloth.spring_forces(x, v, springs, k, d, r)), argnums=(0, 1)), (px, pv)),
+        f"heat step {heat_n}^2, fwd": (_warp_step, (u, alpha)),
+        f"heat step {heat_n}^2, fwd+bwd": (jax.grad(lambda alpha, u: jnp.sum(_warp_step(u, alpha) ** 2)), (alpha, u)),
+    }
+    rows = []
+    for name, (fn, args) in kernels.items():
+        cases = {t: (_Threads(fn, args, t), args) for t in counts}
+        times = time_interleaved(cases, rounds=8, per_round=3)
+        _Threads._set(full)
+        rows.append({"kernel": name, **{f"{t} threads": times[t] for t in counts}})
+        print(name, {t: fmt_us(times[t]) for t in counts}, file=sys.stderr, flush=True)
+    return rows
+
+
+def bench_opt_levels(sizes) -> list[dict]:
+    import inspect
+    import textwrap
+    import time
+
+    import numpy as np
+
+    source = textwrap.dedent(inspect.getsource(heat_step.func)).split("\n", 1)[1]  # without the decorator
+    variants = {"-O2 (default)": (2, ""), "-O3": (3, ""), "-O3 -march=native": (3, "-march=native")}
+    kernels = {}
+    for k, (name, (level, flags)) in enumerate(variants.items()):
+        module = wp.get_module(f"benchmarks_heat_opt_{k}")
+        module.options["optimization_level"] = level
+        if flags:
+            module.options["cpu_compiler_flags"] = flags
+        kernels[name] = wp.Kernel(heat_step.func, key=f"heat_step_opt_{k}", module=module, source=source)
+    rows = []
+    for n in sizes:
+        u = wp.array(np.random.default_rng(0).random((n, n), dtype=np.float32), device="cpu")
+        a = wp.array([0.1], dtype=float, device="cpu")
+        cmds = {}
+        for name, kernel in kernels.items():
+            out = wp.zeros((n, n), dtype=float, device="cpu")
+            cmds[name] = wp.launch(kernel, (n, n), inputs=[u, a, C, out], device="cpu", record_cmd=True)
+            cmds[name].launch()
+        reps = max(3, (1 << 22) // (n * n))
+        samples = {name: [] for name in kernels}
+        for _ in range(7):
+            for name, cmd in cmds.items():
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    cmd.launch()
+                samples[name].append((time.perf_counter() - t0) / reps / (n * n))
+        rows.append({"size": n, **{name: float(np.median(v)) for name, v in samples.items()}})
+        print(n, {k: f"{v * 1e9:.2f} ns" for k, v in rows[-1].items() if k != "size"}, file=sys.stderr, flush=True)
+    return rows
+
+
+def opt_table(rows) -> str:
+    names = [k for k in rows[0] if k != "size"]
+    lines = ["| size | " + " | ".join(f"{n} (ns per element)" for n in names) + " |", "|---|" + "---|" * len(names)]
+    for row in rows:
+        lines.append(f"| {row['size']}² | " + " | ".join(f"{row[n] * 1e9:.2f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def heat_table(rows) -> str:
+    names = [k for k in rows[0] if k not in ("size", "direction", "steps")]
+    lines = ["| size | direction | " + " | ".join(f"{n} (ms)" for n in names) + " | " +
+             " | ".join(f"{n} / pure JAX" for n in names if n != "pure JAX") + " |",
+             "|---|---|" + "---|" * (2 * len(names) - 1)]
+    for row in rows:
+        ms = [("—" if row[n] is None else f"{row[n] * 1e3:.2f}") for n in names]
+        ratios = [fmt_ratio(row[n], row["pure JAX"]) for n in names if n != "pure JAX"]
+        lines.append(f"| {row['size']}² | {row['direction']} | " + " | ".join(ms) + " | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
+def threads_table(rows) -> str:
+    counts = [k for k in rows[0] if k != "kernel"]
+    lines = ["| kernel | " + " | ".join(f"{c} (µs)" for c in counts) + f" | speed-up at {counts[-1]} |",
+             "|---|" + "---|" * (len(counts) + 1)]
+    for row in rows:
+        lines.append(f"| {row['kernel']} | " + " | ".join(fmt_us(row[c]) for c in counts) + f" | {fmt_ratio(row[counts[0]], row[counts[-1]])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="64,256")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--threads-table", action="store_true")
+    parser.add_argument("--opt-levels", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    opt = bench_opt_levels([int(s) for s in args.sizes.split(",")]) if args.opt_levels else None
+    heat = bench_heat([int(s) for s in args.sizes.split(",")], args.steps)
+    threads = bench_threads(1 << 22, 200, 1024) if args.threads_table else None
+    if args.json:
+        print(json.dumps({"environment": environment(), "heat": heat, "threads": threads, "opt_levels": opt}))
+        return
+    print(f"Environment: {environment()}\n")
+    print(heat_table(heat))
+    if threads:
+        print()
+        print(threads_table(threads))
+    if opt:
+        print()
+        print(opt_table(opt))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,607 @@
+"""Batched twins of Warp kernels: a whole ``vmap`` batch, or one slice of a CPU launch, in one launch.
+
+Under ``jax.vmap`` the launchers used to launch a kernel once per batch element (``_launch.py``): correct for
+every kernel, since each launch sees exactly the arrays of its element, but the cost grows with the batch at
+launch latency (~3.6 µs per element on an H200: 53× pure JAX at 1024 cloths). The *batched twin* of a kernel
+is the same kernel generated from its source with one more leading launch dimension that selects the batch
+element::
+
+    @wp.kernel                                    # the twin of `springs(x, pairs, k, f)`, generated:
+    def springs__warpnn_batched(x__warpnn_b: wp.array2d(dtype=wp.vec3), pairs__warpnn_b: wp.array3d(dtype=int),
+                                k__warpnn_b: wp.array2d(dtype=float), f__warpnn_b: wp.array2d(dtype=wp.vec3),
+                                warpnn_first_batch: int, warpnn_first_row: int):
+        warpnn_bl, warpnn_r0 = wp.tid()
+        warpnn_b = warpnn_bl + warpnn_first_batch
+        warpnn_t0 = warpnn_r0 + warpnn_first_row
+        s = warpnn_t0                             # was: s = wp.tid()
+        d = x__warpnn_b[warpnn_b, pairs__warpnn_b[warpnn_b, s, 1]] - ...   # every array indexed by element first
+        wp.atomic_add(f__warpnn_b, warpnn_b, pairs__warpnn_b[warpnn_b, s, 0], k__warpnn_b[warpnn_b, s] * d)
+
+Every array parameter gains the leading batch dim. The launcher passes a *shared* (unbatched) argument with
+batch stride 0, so it is never copied, and each element still sees only its own arrays: gathers, scatters and
+every other access stay exactly what they were per element (the CPU runs the batch elements' threads in the
+per-element order, so even atomics add in the same order; the results are bitwise the per-element ones).
+
+That is what a GPU runs for a vmapped call. On the CPU, where a launch costs next to nothing and the twin's
+extra coordinate doubles the cost per element, a batch keeps the kernel's per-element launches and spreads them
+over the CPU threads (``warpnn_ffi.c``); ``WARPNN_BATCHED_LAUNCH=twin`` forces the twin there too.
+
+The *row twin* (``twin_of(kernel, batched=False)``) is the kernel itself with an offset on its first
+``wp.tid()`` coordinate: the CPU handler cuts one big launch into row slices for its threads with it.
+
+The two trailing ``int`` parameters let a launch cover a slice: ``warpnn_first_batch`` offsets the batch
+index and ``warpnn_first_row`` the first ``wp.tid()`` coordinate, so the native CPU handler can split one
+launch across threads (``warpnn_ffi.c``). The twin lives in a Warp module of its own (adding it to the
+kernel's module would rebuild and unload the code already loaded), with the original module's options (an
+explicit ``-O3`` or ``-march=native`` measured within noise of Warp's default ``-O2`` on the CPU stencil of
+``python -m benchmarks.heat --opt-levels``, so the defaults stay).
+
+Arrays are indexed directly, not through views of the element (``x = x__warpnn_b[b]``): Warp reaches a
+view's adjoint through the view's ``grad`` pointer, with the primal's strides, and zeroes it after the adjoint
+of a store, which would write into XLA's cotangent buffers.
+
+Kernels the transformation cannot express keep the per-element launch, with one warning naming the kernel
+and the reason (see :func:`twin_of`): ``wp.tid()`` used other than called with no arguments in the kernel's
+own body, arrays used other than element by element (passed to a ``wp.func``, row views, slices), 4-D arrays
+or launches (Warp allows 4 dims), tile or cooperative-block kernels, generic kernels, kernels without source.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import ctypes
+import dataclasses
+import functools
+import os
+import textwrap
+import threading
+import types
+import warnings
+from typing import Any
+
+import numpy as np
+import warp as wp
+
+from . import _warp_compat as wc
+
+BATCH_PREFIX = "warpnn_"
+FIRST_BATCH = "warpnn_first_batch"
+FIRST_ROW = "warpnn_first_row"
+_ARRAY_SUFFIX = "__warpnn_b"
+_MAX_DIMS = 4
+BATCHED_ENV = "WARPNN_BATCHED_LAUNCH"  # "0": always launch per batch element
+
+# Names of Warp builtins whose meaning depends on the launch's thread blocks: a leading batch dim changes them.
+_BLOCK_BUILTINS = ("block_dim", "tile", "untile", "lane")
+
+
+class _Refused(Exception):
+    """The twin cannot be generated; the message says why (shown once, in the fallback warning)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+    """The batched twin of one kernel: its Warp kernel, and what the launchers need to know about it."""
+
+    kernel: Any  # wp.Kernel
+    kernel_dim: int  # the original kernel's wp.tid() rank; the batched twin's is one more
+    batched: bool = True  # False: the row twin (same rank, first coordinate offset by warpnn_first_row)
+
+    @property
+    def module(self):
+        return self.kernel.module
+
+
+_TWINS: dict[tuple[int, bool], tuple[Any, Twin | str]] = {}
+_LOCK = threading.RLock()
+_WARNED: set[tuple[str, str]] = set()
+
+
+def batched_mode() -> str:
+    """``$WARPNN_BATCHED_LAUNCH`` (read while lowering): ``"auto"`` (default: a vmapped call launches the batched
+    twin on a GPU, and on the CPU runs its per-element launches across the CPU threads), ``"off"`` (``0``: one
+    launch per element on one thread) or ``"twin"`` (the batched twin on the CPU too; tests use it)."""
+    value = os.environ.get(BATCHED_ENV, "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return "off"
+    return "twin" if value == "twin" else "auto"
+
+
+def enabled() -> bool:
+    """Whether batched launches are on (``$WARPNN_BATCHED_LAUNCH`` not ``0``)."""
+    return batched_mode() != "off"
+
+
+def twin_of(kernel, batched: bool = True) -> Twin | str:
+    """The batched twin of ``kernel`` (``batched=False``: its *row twin*, the kernel itself with an offset on
+    its first ``wp.tid()`` coordinate, for CPU slices), generated once, or a sentence saying why there is none."""
+    with _LOCK:
+        cached = _TWINS.get((id(kernel), batched))
+        if cached is not None and cached[0] is kernel:
+            return cached[1]
+        try:
+            result: Twin | str = _make_twin(kernel, batched)
+        except _Refused as e:
+            result = str(e)
+        except Exception as e:  # noqa: BLE001 - any failure of the transformation means: launch per element
+            result = f"generating it failed ({type(e).__name__}: {e})"
+        _TWINS[(id(kernel), batched)] = (kernel, result)
+        return result
+
+
+def warn_fallback(kernel_key: str, reason: str) -> None:
+    """Say once per kernel and reason that a vmapped call launches per batch element."""
+    if (kernel_key, reason) in _WARNED:
+        return
+    _WARNED.add((kernel_key, reason))
+    warnings.warn(
+        f"warpnn: kernel '{kernel_key}' under jax.vmap launches once per batch element (correct, but slower than "
+        f"one launch for the whole batch): {reason}.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The transformation
+
+
+def _is_tid_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    return name == "tid"
+
+
+class _TidReplacer(ast.NodeTransformer):
+    """Replace each ``wp.tid()`` by the twin's per-element coordinates (names ``warpnn_t<k>``)."""
+
+    def __init__(self, kernel_dim: int):
+        self.kernel_dim = kernel_dim
+
+    def _names(self):
+        return [ast.Name(id=f"{BATCH_PREFIX}t{k}", ctx=ast.Load()) for k in range(self.kernel_dim)]
+
+    def visit_Assign(self, node: ast.Assign):
+        # `i, j = wp.tid()` becomes `i = warpnn_t0; j = warpnn_t1` (one name per coordinate).
+        if _is_tid_call(node.value) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple):
+            targets = node.targets[0].elts
+            if len(targets) != self.kernel_dim or not all(isinstance(t, ast.Name) for t in targets):
+                raise _Refused("its wp.tid() is unpacked into something other than one name per launch dim")
+            if node.value.args or node.value.keywords:
+                raise _Refused("it calls wp.tid() with arguments")
+            return [ast.copy_location(ast.Assign(targets=[t], value=v), node) for t, v in zip(targets, self._names())]
+        return self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call):
+        if _is_tid_call(node):
+            if node.args or node.keywords:
+                raise _Refused("it calls wp.tid() with arguments")
+            if self.kernel_dim != 1:
+                raise _Refused("it uses a multi-dimensional wp.tid() other than as `i, j = wp.tid()`")
+            return ast.copy_location(self._names()[0], node)
+        return self.generic_visit(node)
+
+    def visit_Attribute(self, node: ast.Attribute):
+        if node.attr == "tid":  # a tid not called (an alias such as `t = wp.tid`): cannot follow it
+            raise _Refused("it refers to wp.tid other than by calling it")
+        return self.generic_visit(node)
+
+    def visit_Name(self, node: ast.Name):
+        if node.id == "tid" or node.id.startswith(BATCH_PREFIX):
+            raise _Refused(f"it uses the name '{node.id}', which the transformation needs")
+        return node
+
+
+_ATOMICS = ("atomic_add", "atomic_sub", "atomic_min", "atomic_max")
+
+
+class _ArrayRewriter(ast.NodeTransformer):
+    """Index every array parameter with the batch element first: ``x[i]`` -> ``x__warpnn_b[warpnn_b, i]``,
+    ``wp.atomic_add(f, j, v)`` -> ``wp.atomic_add(f__warpnn_b, warpnn_b, j, v)``, ``x.shape[k]`` ->
+    ``x__warpnn_b.shape[k + 1]``. No views: Warp reaches a view's adjoint through its ``grad`` pointer (and zeroes
+    it after stores), while a direct index uses the adjoint arrays the launcher passes. Any other use of an
+    array (passing it to a function, partial indexing, slicing) is refused."""
+
+    def __init__(self, ndims: dict[str, int]):
+        self.ndims = ndims
+
+    def _batched(self, name: str) -> ast.Name:
+        return ast.Name(id=f"{name}{_ARRAY_SUFFIX}", ctx=ast.Load())
+
+    def _b(self) -> ast.Name:
+        return ast.Name(id=f"{BATCH_PREFIX}b", ctx=ast.Load())
+
+    def visit_Subscript(self, node: ast.Subscript):
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in self.ndims:
+            index = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if len(index) != self.ndims[value.id] or any(isinstance(i, ast.Slice) for i in index):
+                raise _Refused(f"it indexes its array '{value.id}' other than element by element")
+            index = [self.visit(i) for i in index]
+            new = ast.Subscript(value=self._batched(value.id), slice=ast.Tuple(elts=[self._b(), *index], ctx=ast.Load()), ctx=node.ctx)
+            return ast.copy_location(new, node)
+        if (isinstance(value, ast.Attribute) and value.attr == "shape" and isinstance(value.value, ast.Name)
+                and value.value.id in self.ndims):
+            if not (isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int) and node.slice.value >= 0):
+                raise _Refused(f"it reads '{value.value.id}.shape' other than at a constant index")
+            shape = ast.Attribute(value=self._batched(value.value.id), attr="shape", ctx=ast.Load())
+            return ast.copy_location(ast.Subscript(value=shape, slice=ast.Constant(node.slice.value + 1), ctx=ast.Load()), node)
+        return self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if name in _ATOMICS and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in self.ndims:
+            array = node.args[0].id
+            rest = [self.visit(a) for a in node.args[1:]]
+            if len(rest) != self.ndims[array] + 1 or node.keywords:
+                raise _Refused(f"it calls {name} on '{array}' other than with one index per dim and a value")
+            node.args = [self._batched(array), self._b(), *rest]
+            return node
+        return self.generic_visit(node)
+
+    def visit_Name(self, node: ast.Name):
+        if node.id in self.ndims:
+            raise _Refused(f"it uses its array '{node.id}' other than by indexing it (e.g. passes it to a function)")
+        return node
+
+
+def _check_no_block_builtins(tree: ast.AST) -> None:
+    for node in ast.walk(tree):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name and any(name.startswith(p) for p in _BLOCK_BUILTINS):
+            raise _Refused(f"it uses '{name}' (tiles and thread blocks see the whole launch, not one element)")
+
+
+def _array_type(arg_type, extra: int):
+    """``arg_type`` with ``extra`` more leading dims."""
+    return wp.array(dtype=arg_type.dtype, ndim=arg_type.ndim + extra)
+
+
+def _make_twin(kernel, batched: bool = True) -> Twin:
+    if not isinstance(kernel, wp.Kernel):
+        raise _Refused("it is not a wp.Kernel")
+    if kernel.is_generic:
+        raise _Refused("it is generic (its overloads are resolved by Warp at launch)")
+    options = {**kernel.module.options, **kernel.options}
+    if options.get("block_dim", 1) not in (1, 256) or kernel.options.get("block_dim") is not None:
+        raise _Refused("it sets block_dim (tile or cooperative-block kernel)")
+    adj = kernel.adj
+    tree = copy.deepcopy(adj.tree)
+    fn = tree.body[0]
+    if not isinstance(fn, ast.FunctionDef):
+        raise _Refused("its source is not a function definition")
+    _check_no_block_builtins(fn)
+    # kernel_dim is set by Warp when it hashes the module (the arity of wp.tid()); hash it now if needed.
+    kernel_dim = getattr(adj, "kernel_dim", None)
+    if kernel_dim is None:
+        adj.get_references()
+        kernel_dim = adj.kernel_dim
+    if batched and kernel_dim >= _MAX_DIMS:
+        raise _Refused(f"it launches over {kernel_dim} dims and Warp allows {_MAX_DIMS}, one of them the batch")
+
+    arg_types = dict(adj.arg_types)
+    arg_types.pop("return", None)
+    params = list(arg_types)
+    arrays = [n for n in params if wc.matches_array_class(arg_types[n], wp.array)]
+    others = [n for n in params if n not in arrays]
+    for name in arrays:
+        if batched and arg_types[name].ndim >= _MAX_DIMS:
+            raise _Refused(f"its array '{name}' has {arg_types[name].ndim} dims and Warp allows {_MAX_DIMS}")
+    for name in others:
+        if not (arg_types[name] in wc.value_types or arg_types[name] is wp.uint64):
+            raise _Refused(f"its argument '{name}' is not an array or a scalar")
+    if any(n.startswith(BATCH_PREFIX) or n.endswith(_ARRAY_SUFFIX) for n in params):
+        raise _Refused("an argument name collides with the transformation's names")
+
+    body = [_TidReplacer(kernel_dim).visit(stmt) for stmt in fn.body]
+    if batched:
+        rewriter = _ArrayRewriter({n: arg_types[n].ndim for n in arrays})
+        body = [[rewriter.visit(x) for x in stmt] if isinstance(stmt, list) else rewriter.visit(stmt) for stmt in body]
+    else:
+        arrays = []  # the row twin keeps every parameter as it is
+    flat_body: list[ast.stmt] = []
+    for stmt in body:
+        flat_body.extend(stmt if isinstance(stmt, list) else [stmt])
+
+    coords = ", ".join(f"{BATCH_PREFIX}r{k}" if k == 0 else f"{BATCH_PREFIX}t{k}" for k in range(kernel_dim))
+    prologue = [
+        f"{BATCH_PREFIX}bl, {coords} = {BATCH_PREFIX}wp.tid()" if batched else f"{coords} = {BATCH_PREFIX}wp.tid()",
+        *([f"{BATCH_PREFIX}b = {BATCH_PREFIX}bl + {FIRST_BATCH}"] if batched else []),
+        f"{BATCH_PREFIX}t0 = {BATCH_PREFIX}r0 + {FIRST_ROW}",
+    ]
+    new_params = [f"{n}{_ARRAY_SUFFIX}" if n in arrays else n for n in params] + [FIRST_BATCH, FIRST_ROW]
+    suffix = "__warpnn_batched" if batched else "__warpnn_rows"
+    name = f"{fn.name}{suffix}"
+    source = "\n".join([
+        f"def {name}({', '.join(new_params)}):",
+        *("    " + line for line in prologue),
+        textwrap.indent(ast.unparse(ast.Module(body=flat_body, type_ignores=[])), "    "),
+    ]) + "\n"
+
+    func = _stub_function(kernel.func, name, new_params)
+    func.__annotations__ = {
+        **{f"{n}{_ARRAY_SUFFIX}" if n in arrays else n: (_array_type(arg_types[n], 1) if n in arrays else arg_types[n]) for n in params},
+        FIRST_BATCH: int,
+        FIRST_ROW: int,
+    }
+    module = wp.get_module(f"{suffix[2:]}.{kernel.module.name}.{kernel.key}")
+    module_options = {k: v for k, v in kernel.module.options.items() if k in module.options}
+    module.options.update(module_options)
+    twin = wp.Kernel(func, key=f"{kernel.key}{suffix}", module=module, options=dict(kernel.options), source=source)
+    return Twin(twin, kernel_dim, batched)
+
+
+def _stub_function(original, name: str, params: list[str]):
+    """A Python function named ``name`` taking ``params``, with ``original``'s globals and closure cells, so
+    Warp resolves every name of the generated source as it resolves the original kernel's (plus ``warpnn_wp``)."""
+    freevars = tuple(original.__code__.co_freevars)
+    inner_refs = "; ".join((*freevars, f"{BATCH_PREFIX}wp")) or "pass"
+    factory_src = (
+        f"def _factory({', '.join((*freevars, BATCH_PREFIX + 'wp'))}):\n"
+        f"    def {name}({', '.join(params)}):\n"
+        f"        {inner_refs}\n"
+        f"    return {name}\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(factory_src, f"<warpnn batched twin of {original.__qualname__}>", "exec"), namespace)  # noqa: S102
+    stub = namespace["_factory"](*([None] * (len(freevars) + 1)))
+    cells = dict(zip(freevars, original.__closure__ or ()))
+    cells[f"{BATCH_PREFIX}wp"] = types.CellType(wp)
+    closure = tuple(cells[n] for n in stub.__code__.co_freevars)
+    func = types.FunctionType(stub.__code__, original.__globals__, name, None, closure)
+    func.__module__ = original.__module__
+    func.__qualname__ = name
+    return func
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU threads
+
+
+CPU_THREADS_ENV = "WARPNN_CPU_THREADS"  # threads for one CPU launch (default: the CPUs this process may use)
+CPU_MIN_WORK_ENV = "WARPNN_CPU_MIN_WORK"  # launch threads (elements) per CPU worker below which a launch is not split
+DEFAULT_MIN_WORK = 8192
+
+
+def cpu_thread_config() -> tuple[int, int]:
+    """(threads, minimum elements per thread) for CPU launches, from the environment."""
+    try:
+        default = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        default = os.cpu_count() or 1
+    threads = _env_int(CPU_THREADS_ENV, default)
+    return max(1, threads), max(1, _env_int(CPU_MIN_WORK_ENV, DEFAULT_MIN_WORK))
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"warpnn: ${name}={value!r} must be an integer") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# What a call asks of the launcher (decided while lowering, when the batch and the platform are known)
+
+TWIN_ATTR = "twin_launch"
+
+
+def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: dict, platforms) -> tuple[list, dict]:
+    """Decide whether this call launches the kernel's twin, and prepare its operands.
+
+    Returns the operands (mixed batch broadcasts materialised) and the extra FFI attributes: ``twin_launch=1``
+    for a vmapped call with more than one batch element (one launch for the batch), and for a CPU call big
+    enough to split across threads. Anything else, or a kernel without a twin, is left to the per-element loop.
+    """
+    from ._launch import LAUNCHER  # the launcher resolves lazily; imported here to keep import order simple
+
+    sig, _adjoint = kernel
+
+    num_batch = 1
+    for n in batch_shape:
+        num_batch *= n
+    launch = tuple(int(d) for d in attrs.get("launch_dims", ()))
+    total = num_batch
+    for n in launch:
+        total *= n
+    batched = num_batch > 1
+    on_cpu = bool(platforms) and all(str(p).lower() == "cpu" for p in platforms)
+    mode = batched_mode()
+    if batched:
+        # The CPU runs a batch's per-element launches on its threads (warpnn_ffi.c): launches cost nothing
+        # there, and the kernel's own code indexes faster than the twin's extra batch coordinate.
+        if mode == "off" or (on_cpu and mode != "twin"):
+            return operands, {}
+    else:
+        threads, min_work = _LAUNCH_CONFIG.get() if _LAUNCH_CONFIG.ready() else cpu_thread_config()
+        if not (on_cpu and threads > 1 and total >= 2 * min_work):
+            return operands, {}
+    prepare = getattr(LAUNCHER.impl, "prepare_twin", None)
+    reason = "the Python launcher launches per element" if prepare is None else prepare(sig, batched)
+    twin = twin_of(sig.kernel, batched)
+    if reason is None and len(launch) > getattr(twin, "kernel_dim", 0):
+        reason = f"its launch dims {launch} have more entries than its wp.tid() returns"
+    if reason is not None:
+        if batched:
+            warn_fallback(sig.key, reason)
+        return operands, {}
+    if batched:
+        operands = [_flat_batch(op, batch_shape) for op in operands]
+    return operands, {TWIN_ATTR: np.int64(1)}
+
+
+def _flat_batch(op, batch_shape):
+    """An operand whose batch dims are neither all broadcast nor all full becomes full (the twin takes one
+    batch stride per array): rare, from nested vmaps that batch it along some of their axes only."""
+    import jax.numpy as jnp
+
+    dims = op.shape[: len(batch_shape)]
+    broadcast = all(d == 1 for d, full in zip(dims, batch_shape) if full > 1)
+    if broadcast or tuple(dims) == tuple(batch_shape):
+        return op
+    return jnp.broadcast_to(op, (*batch_shape, *op.shape[len(batch_shape):]))
+
+
+class _Config:
+    """The CPU thread configuration in force (set by the native launcher, changed by ``set_cpu_threads``)."""
+
+    def __init__(self):
+        self._value: tuple[int, int] | None = None
+
+    def ready(self) -> bool:
+        return self._value is not None
+
+    def get(self) -> tuple[int, int]:
+        return self._value or cpu_thread_config()
+
+    def set(self, value: tuple[int, int]) -> None:
+        self._value = value
+
+
+_LAUNCH_CONFIG = _Config()
+
+
+# --------------------------------------------------------------------------------------------------
+# The native launcher's side: registering twins with warpnn_ffi.c
+
+
+def declare_native(lib) -> None:
+    """ctypes prototypes of the twin functions of the native library."""
+    c = ctypes
+    lib.warpnn_set_twin.argtypes = [c.c_int64, c.c_int32, c.c_int32, c.c_int64] + [c.c_int32] * 6
+    lib.warpnn_set_twin.restype = c.c_int32
+    lib.warpnn_set_twin_entry.argtypes = [c.c_int64, c.c_int32, c.c_int32, c.c_int32, c.c_void_p, c.c_void_p, c.c_void_p] + [c.c_int32] * 5
+    lib.warpnn_set_twin_entry.restype = c.c_int32
+    lib.warpnn_set_twin_partials.argtypes = [c.c_int64, c.c_int32, c.POINTER(c.c_int32), c.c_int32, c.POINTER(c.c_int32)]
+    lib.warpnn_set_twin_partials.restype = c.c_int32
+    lib.warpnn_set_cpu_threads.argtypes = [c.c_int32, c.c_int64]
+    lib.warpnn_set_cpu_threads.restype = None
+    lib.warpnn_kernel_launches.argtypes = [c.c_int32]
+    lib.warpnn_kernel_launches.restype = c.c_int64
+    lib.warpnn_threaded_launches.restype = c.c_int64
+
+
+# Partial-buffer kinds (warpnn_ffi.c: kPartialPrivate, kPartialNone, K_INT, K_UINT, K_FLOAT).
+_PRIVATE, _NO_REDUCTION, _K_INT, _K_UINT, _K_FLOAT = -2, -1, 0, 1, 2
+
+
+def _partial_kind(spec, private: frozenset, assigned: frozenset, read: tuple) -> int:
+    if spec.name in private:
+        return _PRIVATE
+    if spec.name in assigned or spec.name in read:
+        return _NO_REDUCTION
+    if spec.dtype.kind == "f" and spec.dtype.itemsize in (4, 8):
+        return _K_FLOAT
+    if spec.dtype.kind in "iu":
+        return _K_INT if spec.dtype.kind == "i" else _K_UINT
+    return _NO_REDUCTION
+
+
+class NativeTwins:
+    """The batched twins the native library knows, per kernel id (signature variant) and device."""
+
+    def __init__(self, lib, launcher):
+        self._lib = lib
+        self._launcher = launcher
+        self._reasons: dict[int, str | None] = {}  # kernel id -> None (registered) or why there is no twin
+        self._execs: dict[tuple[int, str], Any] = {}  # keeps each twin's loaded code alive
+        self.set_cpu_threads(*cpu_thread_config())
+
+    def set_cpu_threads(self, threads: int, min_work: int | None = None) -> None:
+        """Threads for one CPU launch (1: every launch on XLA's calling thread) and the elements per thread
+        below which a launch is not split. Executables compiled before keep their twin decision."""
+        min_work = min_work or _LAUNCH_CONFIG.get()[1]
+        self._lib.warpnn_set_cpu_threads(int(threads), int(min_work))
+        _LAUNCH_CONFIG.set((int(threads), int(min_work)))
+
+    def kernel_launches(self) -> dict[str, int]:
+        return {"forward": self._lib.warpnn_kernel_launches(0), "adjoint": self._lib.warpnn_kernel_launches(1)}
+
+    def threaded_launches(self) -> int:
+        return self._lib.warpnn_threaded_launches()
+
+    def prepare(self, sig, batched: bool = True) -> str | None:
+        """Register the batched (or row) twin of ``sig`` on this trace's devices; None when ready, else the
+        reason there is none."""
+        from ._devices import trace_devices
+
+        kid = self._launcher._kernel_id(sig)
+        key = (kid, batched)
+        with _LOCK:
+            if self._reasons.get(key, None) is not None:
+                return self._reasons[key]
+            twin = twin_of(sig.kernel, batched)
+            if isinstance(twin, str):
+                self._reasons[key] = twin
+                return twin
+            try:
+                for device in trace_devices():
+                    self._set_entry(kid, twin, device)
+                if key not in self._reasons:
+                    self._register_layout(kid, sig, twin)
+            except Exception as e:  # noqa: BLE001 - a twin that does not build or load: launch per element
+                self._reasons[key] = f"its batched twin could not be built or loaded ({type(e).__name__}: {e})"
+                return self._reasons[key]
+            self._reasons[key] = None
+            return None
+
+    def _set_entry(self, kid: int, twin: Twin, device) -> None:
+        module_exec = twin.kernel.module.load(device, wc.resolve_block_dim(device, None))
+        if module_exec is None:
+            raise RuntimeError(f"Warp could not build module '{twin.kernel.module.name}' for {device}")
+        key = (kid, device.alias, twin.batched)
+        if self._execs.get(key) is module_exec:
+            return
+        hooks = module_exec.get_kernel_hooks(twin.kernel)
+        if device.is_cpu:
+            args = (0, 0, None, _address(hooks.forward), _address(hooks.backward), 0, 0, module_exec.block_dim, 0, 1)
+        else:
+            args = (
+                1, device.ordinal, device.context, hooks.forward, hooks.backward, hooks.forward_smem_bytes,
+                hooks.backward_smem_bytes if hooks.backward else 0, module_exec.block_dim,
+                int(bool(twin.kernel.grid_stride)), hooks.cluster_dim,
+            )
+        rc = self._lib.warpnn_set_twin_entry(kid, int(twin.batched), *args)
+        if rc != 0:
+            raise RuntimeError(f"registering the twin entry points failed ({rc})")
+        self._execs[key] = module_exec
+
+    def _register_layout(self, kid: int, sig, twin: Twin) -> None:
+        params = (*sig.inputs, *sig.outputs)
+        fields = [(s.name, wc.array_t if s.is_array else s.warp_type._type_) for s in params]
+        original = type("ArgsStruct", (ctypes.Structure,), {"_fields_": fields})
+        extended = type("TwinArgsStruct", (ctypes.Structure,), {"_fields_": [*fields, (FIRST_BATCH, ctypes.c_int32), (FIRST_ROW, ctypes.c_int32)]})
+        if any(getattr(original, n).offset != getattr(extended, n).offset for n, _ in fields):
+            raise RuntimeError("the twin's argument struct does not extend the kernel's")
+        kernel = twin.kernel
+        bounds_type = type(wc.build_launch_bounds((1,) * kernel.adj.kernel_dim, kernel))
+        try:
+            tid_limit = kernel.module._get_kernel_tid_extent_limit(kernel)
+        except Exception:  # noqa: BLE001 - private Warp API: the conservative candidate
+            tid_limit = kernel.adj.tid_extent_limit_candidate
+        rc = self._lib.warpnn_set_twin(
+            kid, int(twin.batched), kernel.adj.kernel_dim, -1 if tid_limit is None else int(tid_limit), ctypes.sizeof(bounds_type),
+            bounds_type.size.offset, bounds_type.coord_mult.offset, ctypes.sizeof(extended),
+            getattr(extended, FIRST_BATCH).offset, getattr(extended, FIRST_ROW).offset,
+        )
+        if rc != 0:
+            raise RuntimeError(f"the native library refused the twin's layout ({rc})")
+        private, assigned = sig.thread_private_arrays
+        fwd = [_partial_kind(s, private, assigned, sig.outputs_read) for s in sig.outputs]
+        adj = [_K_FLOAT if s.name not in private and s.dtype.itemsize in (4, 8) else _PRIVATE if s.name in private else _NO_REDUCTION
+               for s in sig.adjoint_inputs]
+        fwd_arr = (ctypes.c_int32 * max(1, len(fwd)))(*fwd)
+        adj_arr = (ctypes.c_int32 * max(1, len(adj)))(*adj)
+        rc = self._lib.warpnn_set_twin_partials(kid, len(fwd), fwd_arr, len(adj), adj_arr)
+        if rc != 0:
+            raise RuntimeError(f"the native library refused the twin's partial kinds ({rc})")
+
+
+def _address(fn) -> int:
+    return 0 if fn is None else (ctypes.cast(fn, ctypes.c_void_p).value or 0)

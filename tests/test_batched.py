@@ -1,0 +1,353 @@
+"""Batched twins (``warpnn._batched``): one launch per vmapped batch and CPU launches split across threads,
+against per-element launches and pure-JAX references."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import warp as wp
+
+import warpnn
+from warpnn import _batched
+from warpnn._launch import LAUNCHER
+
+from .helpers import assert_close
+from .kernels_for_tests import (
+    affine_2d,
+    affine_2d_ref,
+    cubic_f64,
+    cubic_f64_ref,
+    rotate,
+    rotate_ref,
+    scale_square,
+    scale_square_ref,
+    spring_forces,
+    spring_forces_fn,
+    spring_forces_ref,
+    springs_case,
+    two_outputs,
+    two_outputs_ref,
+    weighted_gather,
+    weighted_gather_ref,
+)
+
+native = pytest.mark.skipif(LAUNCHER.name != "native", reason="batched twins are launched by the native launcher")
+
+
+def launches():
+    return LAUNCHER.impl.twins.kernel_launches()
+
+
+def per_element_and_batched(monkeypatch, run):
+    """``run()`` with per-element launches, then with the batched twin (also on the CPU, where by default a
+    batch runs its per-element launches on the CPU threads instead), fresh traces each, and the launch counts."""
+    results, counts = [], []
+    for flag in ("0", "twin"):
+        monkeypatch.setenv(_batched.BATCHED_ENV, flag)
+        jax.clear_caches()
+        before = launches()
+        results.append(jax.tree.map(np.asarray, run()))
+        after = launches()
+        counts.append({k: after[k] - before[k] for k in after})
+    monkeypatch.delenv(_batched.BATCHED_ENV)
+    jax.clear_caches()
+    return results, counts
+
+
+def _same(a, b):
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(a, b)
+    else:
+        assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _springs_cases():
+    pos, springs, stiffness, rest = springs_case(12)
+    keys = jax.random.split(jax.random.PRNGKey(3), 5)
+    pos_b = pos[None] + 0.1 * jax.vmap(lambda k: jax.random.normal(k, pos.shape))(keys)
+    stiff_b = stiffness[None] * jnp.linspace(0.5, 1.5, 5)[:, None]
+    fn = spring_forces_fn()
+
+    def energy(p, k, ref=False):
+        f = spring_forces_ref(p, springs, k, rest, 1.0) if ref else fn(p, springs, k, rest, 1.0)
+        return jnp.sum(f**2)
+
+    return {
+        # scatter with shared connectivity: batched positions, shared stiffness
+        "springs_fwd_mixed": (
+            lambda: jax.jit(jax.vmap(lambda p: fn(p, springs, stiffness, rest, 1.0)))(pos_b),
+            lambda: jax.vmap(lambda p: spring_forces_ref(p, springs, stiffness, rest, 1.0))(pos_b),
+        ),
+        # both batched, connectivity shared
+        "springs_fwd_both": (
+            lambda: jax.jit(jax.vmap(lambda p, k: fn(p, springs, k, rest, 1.0)))(pos_b, stiff_b),
+            lambda: jax.vmap(lambda p, k: spring_forces_ref(p, springs, k, rest, 1.0))(pos_b, stiff_b),
+        ),
+        # vmap of grad: shared stiffness gets a per-element gradient
+        "springs_vmap_grad": (
+            lambda: jax.jit(jax.vmap(jax.grad(energy, argnums=(0, 1)), in_axes=(0, None)))(pos_b, stiffness),
+            lambda: jax.vmap(jax.grad(lambda p, k: energy(p, k, True), argnums=(0, 1)), in_axes=(0, None))(pos_b, stiffness),
+        ),
+        # grad of vmap: the shared stiffness's gradient sums over the batch
+        "springs_grad_vmap": (
+            lambda: jax.jit(jax.grad(lambda k: jax.vmap(lambda p: energy(p, k))(pos_b).sum()))(stiffness),
+            lambda: jax.grad(lambda k: jax.vmap(lambda p: energy(p, k, True))(pos_b).sum())(stiffness),
+        ),
+        # only the batched stiffness is differentiated (positions constant: null adjoints)
+        "springs_grad_constant_input": (
+            lambda: jax.jit(jax.vmap(jax.grad(energy, argnums=1)))(pos_b, stiff_b),
+            lambda: jax.vmap(jax.grad(lambda p, k: energy(p, k, True), argnums=1))(pos_b, stiff_b),
+        ),
+    }
+
+
+def _other_cases():
+    key = jax.random.PRNGKey(7)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    x = jax.random.normal(k1, (4, 3, 10))
+    w = jax.random.normal(k2, (10,))
+    idx = jax.random.randint(k3, (10,), 0, 10).astype(jnp.int32)
+    gather = warpnn.jax_kernel(weighted_gather)
+    sq = warpnn.jax_kernel(scale_square)
+    aff = warpnn.jax_kernel(affine_2d)
+    two = warpnn.jax_kernel(two_outputs, num_outputs=2)
+    rot = warpnn.jax_kernel(rotate)
+    a = jax.random.normal(k4, (3, 5, 6))
+    m = jax.random.normal(k1, (3, 7, 3, 3))
+    v = jax.random.normal(k2, (3, 7, 3))
+    return {
+        "gather_vmap": (
+            lambda: jax.jit(jax.vmap(lambda x: gather(x, idx, w)[0]))(x[0]),
+            lambda: jax.vmap(lambda x: weighted_gather_ref(x, idx, w))(x[0]),
+        ),
+        # nested vmap, x batched along both, w along the outer axis only (a mixed broadcast)
+        "gather_nested_mixed": (
+            lambda: jax.jit(jax.vmap(jax.vmap(lambda x, w: gather(x, idx, w)[0], in_axes=(0, None)), in_axes=(0, 0)))(x, x[:, 0]),
+            lambda: jax.vmap(jax.vmap(lambda x, w: weighted_gather_ref(x, idx, w), in_axes=(0, None)), in_axes=(0, 0))(x, x[:, 0]),
+        ),
+        # nested vmap, x batched along the inner axis only, w along the outer only
+        "gather_nested_crossed": (
+            lambda: jax.jit(jax.vmap(jax.vmap(lambda x, w: gather(x, idx, w)[0], in_axes=(0, None)), in_axes=(None, 0)))(x[0], x[:, 1]),
+            lambda: jax.vmap(jax.vmap(lambda x, w: weighted_gather_ref(x, idx, w), in_axes=(0, None)), in_axes=(None, 0))(x[0], x[:, 1]),
+        ),
+        "gather_grad_nested": (
+            lambda: jax.jit(jax.vmap(jax.vmap(jax.grad(lambda x, w: jnp.sum(gather(x, idx, w)[0] ** 2), argnums=(0, 1)))))(x, x),
+            lambda: jax.vmap(jax.vmap(jax.grad(lambda x, w: jnp.sum(weighted_gather_ref(x, idx, w) ** 2), argnums=(0, 1))))(x, x),
+        ),
+        "scale_square_grad_vmap": (
+            lambda: jax.jit(jax.grad(lambda x: jnp.sum(jax.vmap(lambda x: sq(x, 1.5)[0])(x))))(x[0]),
+            lambda: jax.grad(lambda x: jnp.sum(jax.vmap(lambda x: scale_square_ref(x, 1.5))(x)))(x[0]),
+        ),
+        "affine_2d_vmap_grad": (
+            lambda: jax.jit(jax.vmap(jax.grad(lambda a, b, c: jnp.sum(aff(a, b, c)[0] ** 2), argnums=(0, 1, 2)), in_axes=(0, None, 0)))(a, a[0, 0], a[:, :, 0]),
+            lambda: jax.vmap(jax.grad(lambda a, b, c: jnp.sum(affine_2d_ref(a, b, c) ** 2), argnums=(0, 1, 2)), in_axes=(0, None, 0))(a, a[0, 0], a[:, :, 0]),
+        ),
+        "two_outputs_vmap": (
+            lambda: jax.jit(jax.vmap(lambda x: two(x, 0.5, output_dims={"y": 10, "total": 1})))(x[0]),
+            lambda: jax.vmap(lambda x: two_outputs_ref(x, 0.5))(x[0]),
+        ),
+        "two_outputs_grad_vmap": (
+            lambda: jax.jit(jax.grad(lambda x: sum(jnp.sum(o) for o in jax.vmap(lambda x: two(x, 0.5, output_dims={"y": 10, "total": 1}))(x))))(x[0]),
+            lambda: jax.grad(lambda x: sum(jnp.sum(o) for o in jax.vmap(lambda x: two_outputs_ref(x, 0.5))(x)))(x[0]),
+        ),
+        "rotate_vmap_grad": (
+            lambda: jax.jit(jax.vmap(jax.grad(lambda m, v: jnp.sum(rot(m, v)[0] ** 2), argnums=(0, 1))))(m, v),
+            lambda: jax.vmap(jax.grad(lambda m, v: jnp.sum(rotate_ref(m, v) ** 2), argnums=(0, 1)))(m, v),
+        ),
+    }
+
+
+CASES = {**_springs_cases(), **_other_cases()}
+
+
+@native
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_batched_launch_matches_per_element_and_pure_jax(monkeypatch, name):
+    run, reference = CASES[name]
+    (per_element, batched), (n_per, n_bat) = per_element_and_batched(monkeypatch, run)
+    expected = jax.tree.map(np.asarray, reference())
+    # CPU: the twin runs each element's threads in the per-element order, so even scatters add alike; a GPU's
+    # atomics add in no fixed order either way
+    jax.tree.map(_same, batched, per_element)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=2e-5, atol=2e-5), batched, expected)
+    # one launch per call and direction, against one per batch element (XLA may drop an unused forward)
+    assert any(n_per.values()), (n_per, n_bat)
+    for direction, n in n_per.items():
+        assert n_bat[direction] == (1 if n else 0) and n != 1, (n_per, n_bat)
+
+
+@native
+def test_batched_float64_gradient(monkeypatch, x64):
+    f = warpnn.jax_kernel(cubic_f64)
+    x = jnp.linspace(-1.0, 1.0, 24, dtype=jnp.float64).reshape(3, 8)
+    w = jnp.linspace(0.5, 2.0, 8, dtype=jnp.float64)
+    run = lambda: jax.jit(jax.vmap(jax.grad(lambda x, w: jnp.sum(f(x, w)[0]), argnums=(0, 1)), in_axes=(0, None)))(x, w)  # noqa: E731
+    (per_element, batched), _ = per_element_and_batched(monkeypatch, run)
+    ref = jax.vmap(jax.grad(lambda x, w: jnp.sum(cubic_f64_ref(x, w)), argnums=(0, 1)), in_axes=(0, None))(x, w)
+    jax.tree.map(_same, batched, per_element)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-12, atol=1e-12), batched, ref)
+
+
+@wp.kernel
+def four_d(x: wp.array4d(dtype=float), y: wp.array4d(dtype=float)):
+    i, j, k, l = wp.tid()
+    y[i, j, k, l] = 2.0 * x[i, j, k, l]
+
+
+@native
+def test_kernel_without_twin_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv(_batched.BATCHED_ENV, "twin")  # the CPU would not ask for a twin by default
+    f = warpnn.jax_kernel(four_d)
+    x = jnp.arange(2 * 2 * 3 * 2 * 2, dtype=jnp.float32).reshape(2, 2, 3, 2, 2)
+    jax.clear_caches()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (y,) = jax.jit(jax.vmap(lambda x: f(x)))(x)
+    messages = [str(w.message) for w in caught if "launches once per batch element" in str(w.message)]
+    assert len(messages) == 1 and "four_d" in messages[0] and "4 dims" in messages[0], messages
+    assert_close(y, 2 * x)
+
+
+@wp.func
+def _first(a: wp.array(dtype=float)):
+    return a[0]
+
+
+@wp.kernel
+def passes_array(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = x[i] + _first(x)
+
+
+def test_twin_refuses_what_it_cannot_express():
+    assert "passes it to a function" in _batched.twin_of(passes_array)
+    assert "4 dims" in _batched.twin_of(four_d)
+    assert isinstance(_batched.twin_of(scale_square), _batched.Twin)
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU threads
+
+
+@wp.kernel
+def heat_step(u: wp.array2d(dtype=float), alpha: wp.array(dtype=float), c: float, out: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    n = u.shape[0]
+    m = u.shape[1]
+    ip = i + 1
+    if ip == n:
+        ip = 0
+    im = i - 1
+    if im < 0:
+        im = n - 1
+    jp = j + 1
+    if jp == m:
+        jp = 0
+    jm = j - 1
+    if jm < 0:
+        jm = m - 1
+    lap = u[ip, j] + u[im, j] + u[i, jp] + u[i, jm] - 4.0 * u[i, j]
+    out[i, j] = u[i, j] + alpha[0] * c * lap
+
+
+def heat_step_ref(u, alpha, c):
+    lap = jnp.roll(u, 1, 0) + jnp.roll(u, -1, 0) + jnp.roll(u, 1, 1) + jnp.roll(u, -1, 1) - 4.0 * u
+    return u + alpha[0] * c * lap
+
+
+@pytest.fixture
+def cpu_threads():
+    """Set the CPU launch threads for a test (fresh traces), restoring the configuration afterwards."""
+    if LAUNCHER.name != "native" or jax.default_backend() != "cpu":
+        pytest.skip("CPU threads are the native CPU handler's")
+    twins = LAUNCHER.impl.twins
+    saved = _batched._LAUNCH_CONFIG.get()
+
+    def use(threads, min_work=1):
+        twins.set_cpu_threads(threads, min_work)
+        jax.clear_caches()
+
+    yield use
+    twins.set_cpu_threads(*saved)
+    jax.clear_caches()
+
+
+def _threaded_and_single(cpu_threads, run):
+    cpu_threads(1)
+    single = jax.tree.map(np.asarray, run())
+    cpu_threads(3)  # more workers than cores is fine: the slices are what is tested
+    before = LAUNCHER.impl.twins.threaded_launches()
+    threaded = jax.tree.map(np.asarray, run())
+    return single, threaded, LAUNCHER.impl.twins.threaded_launches() - before
+
+
+def test_private_rows_analysis():
+    from warpnn._signature import signature_of
+
+    private, assigned = signature_of(heat_step, 1).thread_private_arrays
+    assert private == {"out"}  # u is read at neighbours, alpha at 0: their adjoints scatter
+    assert assigned == {"out"}
+    private, assigned = signature_of(spring_forces, 1).thread_private_arrays
+    assert private == {"stiffness", "rest", "springs"} and "f" not in assigned
+    private, _ = signature_of(scale_square, 1).thread_private_arrays
+    assert private == {"x", "y"}
+
+
+def test_threaded_race_free_kernels_are_bitwise_single_threaded(cpu_threads):
+    heat = warpnn.jax_kernel(heat_step)
+    sq = warpnn.jax_kernel(scale_square)
+    u = jax.random.normal(jax.random.PRNGKey(0), (37, 29))
+    alpha = jnp.array([0.7])
+    x = jax.random.normal(jax.random.PRNGKey(1), (1001,))
+
+    def run():
+        return jax.jit(lambda u, a, x: (heat(u, a, 0.2)[0], sq(x, 1.5)[0]))(u, alpha, x)
+
+    single, threaded, n = _threaded_and_single(cpu_threads, run)
+    assert n == 2
+    jax.tree.map(np.testing.assert_array_equal, threaded, single)
+    assert_close(threaded[0], heat_step_ref(u, alpha, 0.2))
+    assert_close(threaded[1], scale_square_ref(x, 1.5))
+
+
+def test_threaded_scatters_and_adjoints_reduce_partials(cpu_threads):
+    heat = warpnn.jax_kernel(heat_step)
+    fn = spring_forces_fn()
+    pos, springs, stiffness, rest = springs_case(40)
+    u = jax.random.normal(jax.random.PRNGKey(0), (33, 17))
+    alpha = jnp.array([0.7])
+
+    def loss(u, a, pos, k):
+        return jnp.sum(heat(u, a, 0.2)[0] ** 2) + jnp.sum(fn(pos, springs, k, rest, 1.0) ** 2)
+
+    def loss_ref(u, a, pos, k):
+        return jnp.sum(heat_step_ref(u, a, 0.2) ** 2) + jnp.sum(spring_forces_ref(pos, springs, k, rest, 1.0) ** 2)
+
+    def run():
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(u, alpha, pos, stiffness)
+
+    single, threaded, n = _threaded_and_single(cpu_threads, run)
+    assert n >= 4  # two forward, two adjoint launches split
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-5, atol=1e-5), threaded, single)
+    ref = jax.value_and_grad(loss_ref, argnums=(0, 1, 2, 3))(u, alpha, pos, stiffness)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-4, atol=1e-4), threaded, ref)
+
+
+def test_threaded_vmapped_batch_splits_by_element_through_the_twin(cpu_threads, monkeypatch):
+    monkeypatch.setenv(_batched.BATCHED_ENV, "twin")
+    test_threaded_vmapped_batch_splits_by_element(cpu_threads)
+
+
+def test_threaded_vmapped_batch_splits_by_element(cpu_threads):
+    fn = spring_forces_fn()
+    pos, springs, stiffness, rest = springs_case(12)
+    pos_b = pos[None] + jnp.linspace(0.0, 1.0, 7)[:, None, None]
+
+    def run():
+        return jax.jit(jax.vmap(jax.grad(lambda p: jnp.sum(fn(p, springs, stiffness, rest, 1.0) ** 2))))(pos_b)
+
+    single, threaded, n = _threaded_and_single(cpu_threads, run)
+    assert n == 2
+    np.testing.assert_array_equal(threaded, single)  # batch elements are independent: no reduction
