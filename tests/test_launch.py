@@ -165,12 +165,10 @@ def test_deterministic_mode_is_refused_on_cuda_at_trace_time(launcher):
 
 
 # --------------------------------------------------------------------------------------------------
-# Known bug (found by the checked-mode tests, not fixed here): reads through a row view get no gradient.
+# Found by the checked-mode tests: Warp's adjoint of a row view (r = g[b]; r[j]) accumulates into the viewed
+# array's grad pointer, so the launchers alias it to the adjoint buffer (as wp.Tape does); before, zero gradients.
 
 
-@pytest.mark.xfail(strict=True, reason="the launchers pass each adjoint as Warp's separate adj argument and leave the "
-                   "primal array_t's grad pointer null; Warp's adjoint of a view (r = g[b]; r[j]) accumulates into "
-                   "that grad pointer, so the gradient is silently zero (wp.Tape, which sets it, is right)")
 @pytest.mark.parametrize("launcher", ["python", "native"])
 def test_gradient_through_a_row_view_matches_tape(launcher):
     g = np.arange(15.0, dtype=np.float32).reshape(3, 5)

@@ -282,6 +282,8 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
         grads = {s.name: adjoints[s.name] for s in sig.carried_adjoints}
         # Warp's adjoint of a struct's array field accumulates into the field's `grad` (as wp.Tape sets it up)
         grads.update({s.name: adjoints[s.name] for s in sig.adjoint_inputs if "." in s.name})
+        # ... and so does its adjoint of a row view (`r = a[i]`): into the viewed array's `grad`
+        grads.update({s.name: adjoints[s.name] for s in sig.adjoint_inputs if sig.uses[s.name].viewed})
         adjoints = {**cts, **adjoints}  # a result's cotangent, unless its adjoint is carried
         zeroed = [adjoints[s.name] for s in sig.adjoint_inputs]
         result_list = [adjoints[s.name] for s in returned]

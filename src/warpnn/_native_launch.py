@@ -323,7 +323,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         fully_written = int(s.name in sig.outputs_fully_written)
         preset = (1 if s.name in sig.in_out_names else 0) | (2 if s.name in carried else 0)
         # carried adjoints, and struct fields (Warp's adjoint of a struct's array accumulates into its `grad`)
-        grad_alias = int(s.name in carried or ("." in s.name and s.name in adjoint_result))
+        # and arrays read through row views (Warp's adjoint of a view accumulates into the viewed array's `grad`)
+        grad_alias = int(s.name in carried or (s.name in adjoint_result and ("." in s.name or sig.uses[s.name].viewed)))
         rows.append([1, offset, s.warp_ndim, s.jax_ndim, s.dtype.itemsize, inner, fwd, adj, grad, 0, 0,
                      fully_written, preset, grad_alias, starts_param(s)])
         attr_names.append(None)

@@ -423,6 +423,7 @@ class ArrayUse:
     name: str
     accesses: tuple[Access, ...] = ()
     undecided: str | None = None  # why the analysis could not tell (then assume it is read and written)
+    viewed: bool = False  # the kernel takes a row view of it (`r = a[i]` on a 2-D array)
 
     @property
     def reads(self) -> bool:
@@ -501,6 +502,7 @@ class _UseCollector:
         self.depth = depth
         self.found: dict[str, list[Access]] = {p: [] for p, _ in arrays.values()}
         self.undecided: dict[str, str] = {}
+        self.views: set[str] = set()  # parameters the body takes row views of
         self.loops: list[int] = []
         self.conditional = 0
 
@@ -579,6 +581,8 @@ class _UseCollector:
                     for i in indices:
                         self.expr(i)
                     self.env[targets[0].id] = (param, ndim - len(indices))
+                    if indices:
+                        self.views.add(param)
                     return
             self.expr(value)
             for target in targets:
@@ -743,6 +747,7 @@ class _UseCollector:
             self.found.setdefault(param, []).extend(accesses)
         for param, reason in inner.undecided.items():
             self._undecide(param, reason)
+        self.views |= inner.views
 
 
 import builtins as builtins_module  # noqa: E402 - only for resolving `len`, `range`, ... in kernels
@@ -777,7 +782,8 @@ def analyse_array_uses(kernel, specs) -> dict[str, ArrayUse]:
         collector.body(_function_def(kernel.adj.tree).body)
     except Exception as e:  # noqa: BLE001 - no source tree, or a construct this walker does not know
         return {n: ArrayUse(n, (), f"its source could not be analysed: {type(e).__name__}: {e}") for n in names}
-    return {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n)) for n in names}
+    return {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n), n in collector.views)
+            for n in names}
 
 
 _SIGNATURES: dict[tuple, KernelSignature] = {}
