@@ -1,5 +1,6 @@
 """warpnn.jax_kernel against pure-JAX references: forward, grad, vmap, vmap∘grad, scan, errors."""
 
+import contextlib
 import functools
 
 import jax
@@ -391,10 +392,49 @@ def test_error_not_a_kernel():
         warpnn.jax_kernel(lambda x: x)
 
 
-def test_forward_mode_is_refused_clearly():
+_FORWARD_MODES = {
+    "jvp": lambda g, x: jax.jvp(g, (x,), (x,)),
+    "jit_jvp": lambda g, x: jax.jit(lambda x: jax.jvp(g, (x,), (x,)))(x),
+    "jacfwd": lambda g, x: jax.jacfwd(g)(x),
+    "jit_jacfwd": lambda g, x: jax.jit(jax.jacfwd(g))(x),
+    "vmap_jvp": lambda g, x: jax.vmap(lambda x: jax.jvp(g, (x,), (x,)))(jnp.stack([x, x])),
+    "hessian": lambda g, x: jax.hessian(lambda x: g(x).sum())(x),
+    "jit_hessian": lambda g, x: jax.jit(jax.hessian(lambda x: g(x).sum()))(x),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_FORWARD_MODES))
+def test_forward_mode_raises_warpnn_message_naming_the_kernel(mode):
     f = warpnn.jax_kernel(K.scale_square)
-    with pytest.raises(TypeError, match="forward-mode"):
-        jax.jvp(lambda x: f(x, 1.0)[0], (jnp.ones(4),), (jnp.ones(4),))
+    with pytest.raises(TypeError, match=r"Kernel 'scale_square' is differentiable in reverse mode.*jax\.jacrev"):
+        _FORWARD_MODES[mode](lambda x: f(x, 3.0)[0], jnp.arange(4.0))
+
+
+def test_jacrev_is_the_fix_forward_mode_points_to():
+    f = warpnn.jax_kernel(K.scale_square)
+    x = jnp.arange(4.0)
+    expected = jax.jacfwd(lambda x: K.scale_square_ref(x, 3.0))(x)
+    np.testing.assert_allclose(jax.jacrev(lambda x: f(x, 3.0)[0])(x), expected, rtol=1e-6)
+
+
+def test_grad_without_direct_linearize_is_not_mistaken_for_forward_mode():
+    # A JAX that honours jax_use_direct_linearize=False traces jax.grad with JVP tracers: it must still work
+    # (jax 0.10-0.12 ignore the flag and linearize directly).
+    f = warpnn.jax_kernel(K.scale_square)
+    x = jnp.arange(4.0)
+    with _direct_linearize_off():
+        grad = jax.grad(lambda x: f(x, 3.0)[0].sum())(x)
+    np.testing.assert_allclose(grad, 6.0 * np.arange(4.0), rtol=1e-6)
+
+
+@contextlib.contextmanager
+def _direct_linearize_off():
+    previous = jax.config.jax_use_direct_linearize
+    jax.config.update("jax_use_direct_linearize", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_direct_linearize", previous)
 
 
 def test_second_order_is_refused_clearly():

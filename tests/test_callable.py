@@ -405,6 +405,8 @@ def test_forward_mode_and_second_order_raise_warpnn_messages():
     with pytest.raises(TypeError, match="'cube' is differentiable in reverse mode"):
         jax.jacfwd(f)(x)
     with pytest.raises(TypeError, match="'cube' is differentiable in reverse mode"):
+        jax.jit(lambda x: jax.jvp(f, (x,), (x,)))(x)
+    with pytest.raises(TypeError, match="'cube' is differentiable in reverse mode"):
         jax.hessian(f)(x)
     with pytest.raises(NotImplementedError, match="'cube': warpnn kernels are differentiable in reverse mode once"):
         jax.grad(lambda x: jax.grad(f)(x).sum())(x)

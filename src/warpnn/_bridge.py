@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import numbers
@@ -32,6 +33,52 @@ SECOND_ORDER_MESSAGE = (
     "second-order information, write the first derivative as its own Warp kernel and wrap it with "
     "warpnn.jax_kernel, or use a pure-JAX implementation for that part."
 )
+
+FORWARD_MODE_MESSAGE = (
+    "Kernel '{name}' is differentiable in reverse mode (jax.grad, jax.vjp, jax.value_and_grad, jax.jacrev), "
+    "once: warpnn differentiates through Warp's adjoint kernel, and Warp generates no forward-mode (tangent) "
+    "kernel. jax.jvp, jax.jacfwd, jax.linearize and jax.hessian are not supported. Fix: use jax.jacrev "
+    "instead of jax.jacfwd (same Jacobian); for second-order information write the first derivative as its "
+    "own Warp kernel (a second warpnn.jax_kernel) or use pure JAX for that part."
+)
+
+# JAX's own message when forward mode meets a custom_vjp; replaced by warpnn's, which names the kernel.
+_JAX_JVP_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+
+
+try:  # private JAX names, used only to give forward mode a clear message early
+    from jax._src.config import use_direct_linearize as _use_direct_linearize
+    from jax._src.interpreters.ad import JVPTracer as _JVPTracer
+except ImportError:  # a JAX that moved them: only the error translation in forward_mode_refused applies
+    _JVPTracer = None
+
+
+def _is_forward_mode(operands: Sequence[Any]) -> bool:
+    # With direct linearization (JAX's default) only forward mode traces with JVP tracers; without it
+    # jax.grad does too, and must not be refused.
+    return (_JVPTracer is not None and bool(_use_direct_linearize.value)
+            and any(isinstance(x, _JVPTracer) for x in operands))
+
+
+@contextlib.contextmanager
+def forward_mode_refused(message: str, operands: Sequence[Any]):
+    """Raises ``message`` instead of JAX's generic error when forward mode meets warpnn's custom VJP.
+
+    Under ``jax.jvp`` / ``jax.jacfwd`` the operands arrive as JVP tracers (``jax.grad`` and ``jax.vjp`` use
+    linearize tracers), so the call is refused before it is traced; JAX itself would only fail later, at
+    evaluation or lowering, outside warpnn. What slips past (the outer pass of ``jax.hessian``, JAX with
+    direct linearization turned off) gets its generic error replaced when it is raised inside the block.
+    ``jax.linearize`` looks like ``jax.vjp`` here, and keeps JAX's message when its linear function is called.
+    """
+    if _is_forward_mode(operands):
+        raise TypeError(message)
+    try:
+        yield
+    except TypeError as error:
+        if _JAX_JVP_ERROR in str(error):
+            raise TypeError(message) from None
+        raise
+
 
 OUTPUT_READ_MESSAGE = (
     "Kernel '{key}' reads its output array(s) {names}, so it has no correct reverse mode: Warp's adjoint "
@@ -179,9 +226,10 @@ class WarpKernel:
         plan = _CallPlan(call_sig, scalars, dims, out_shapes, self.has_side_effect, self.enable_backward)
         # Under shard_map, every operand must vary over the same mesh axes before the custom VJP, so that the
         # adjoint of a replicated parameter is psum-ed by JAX's transpose of pvary (a no-op elsewhere).
-        if _checked.is_checked():  # index-checked variant of the kernel (warpnn.checked())
-            return _checked.call(plan, _sharding.match_vma(arrays), _differentiable_call)
-        return tuple(_differentiable_call(plan, *_sharding.match_vma(arrays)))
+        with forward_mode_refused(FORWARD_MODE_MESSAGE.format(name=sig.key), arrays):
+            if _checked.is_checked():  # index-checked variant of the kernel (warpnn.checked())
+                return _checked.call(plan, _sharding.match_vma(arrays), _differentiable_call)
+            return tuple(_differentiable_call(plan, *_sharding.match_vma(arrays)))
 
 
 _WRAPPERS: dict[tuple, WarpKernel] = {}

@@ -26,7 +26,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _sharding
 from . import _warp_compat as wc
-from ._bridge import SECOND_ORDER_MESSAGE, _fence, _Static
+from ._bridge import SECOND_ORDER_MESSAGE, _fence, _Static, forward_mode_refused
 from ._signature import ArrayUse, _arg_spec, analyse_array_uses
 from ._warp_compat import jax_ffi
 
@@ -54,8 +54,6 @@ FORWARD_MODE_MESSAGE = (
     "write the first derivative as its own Warp function (a second jax_callable) or use pure JAX for that part."
 )
 
-# JAX's own message when forward mode meets a custom_vjp; replaced by the one above, which names the function.
-_JAX_JVP_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
 
 
 def _is_float(arg) -> bool:
@@ -147,14 +145,10 @@ class WarpCallable:
             _freeze_dims(self.output_dims if output_dims is None else output_dims),
             self.vmap_method if vmap_method is None else vmap_method,
         )
-        try:
-            # Under shard_map, operands must vary over the same mesh axes before the custom VJP, so that
-            # the cotangent of a replicated input is summed over devices by JAX (a no-op elsewhere).
+        # Under shard_map, operands must vary over the same mesh axes before the custom VJP, so that
+        # the cotangent of a replicated input is summed over devices by JAX (a no-op elsewhere).
+        with forward_mode_refused(FORWARD_MODE_MESSAGE.format(name=self.name), arrays):
             return tuple(_differentiable_call(plan, *_sharding.match_vma(arrays)))
-        except TypeError as error:
-            if _JAX_JVP_ERROR in str(error):
-                raise TypeError(FORWARD_MODE_MESSAGE.format(name=self.name)) from None
-            raise
 
     def differentiated_inputs(self, perturbed: frozenset[str]) -> frozenset[str]:
         """The inputs the VJP computes gradients for, given those JAX differentiates in this call.
@@ -487,15 +481,12 @@ def _differentiable_call_bwd(plan: _Plan, residuals, cotangents):
     cts = [jnp.zeros(ct.aval.shape, ct.aval.dtype) if isinstance(ct, SymbolicZero) else ct for ct in cts]
     shapes = tuple(tuple(ct.aval.shape) if isinstance(ct, SymbolicZero) else tuple(np.shape(ct)) for ct in cotangents)
     plan = dataclasses.replace(plan, output_shapes=shapes, differentiated=differentiated)
-    try:
+    # jax.hessian / jacfwd(jacrev): forward mode through the backward call.
+    with forward_mode_refused(FORWARD_MODE_MESSAGE.format(name=wrapper.name), ()):
         grads = dict(zip(
             [a.name for a in wrapper.input_args if a.name in differentiated],
             _first_order_only(plan, True, arrays, () if outputs is None else outputs, tuple(cts)),
         ))
-    except TypeError as error:  # jax.hessian / jacfwd(jacrev): forward mode through the backward call
-        if _JAX_JVP_ERROR in str(error):
-            raise TypeError(FORWARD_MODE_MESSAGE.format(name=wrapper.name)) from None
-        raise
     return tuple(grads.get(a.name) if a.name in perturbed.value else None for a in array_args)
 
 
