@@ -64,26 +64,28 @@ def _scene(particles: int, device: str, requires_grad: bool):
     return model, solver, contacts
 
 
-def _warpnn_cases(scene, steps: int, dt: float):
+def _warpnn_cases(scene, steps: int, dt: float, unrolls=(1,)):
     from warpnn_models.newton import NewtonStep, rollout
 
     model, solver, contacts = scene
     step = NewtonStep(model, solver, dt, contacts=contacts, param_fields=("spring_stiffness",))
-
-    def loss(state, params, constants):
-        final, _ = rollout(step, state, None, params, num_steps=steps, constants=constants)
-        q, qd = final["particle_q"], final["particle_qd"]
-        return (q[:, 0] + 0.5 * q[:, 2] + 0.1 * qd[:, 1]).sum()
-
-    def forward(state, params, constants):
-        return rollout(step, state, None, params, num_steps=steps, constants=constants)[0]["particle_q"]
-
     # The model's arrays go in as arguments (device buffers), not as literals embedded in the program.
     args = (step.initial_state(), step.initial_params(), step.constants())
-    return model.particle_count, {
-        "warpnn fwd": (jax.jit(forward), args),
-        "warpnn fwd+bwd": (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), args),
-    }
+    cases = {}
+    for unroll in unrolls:
+
+        def loss(state, params, constants, unroll=unroll):
+            final, _ = rollout(step, state, None, params, num_steps=steps, constants=constants, unroll=unroll)
+            q, qd = final["particle_q"], final["particle_qd"]
+            return (q[:, 0] + 0.5 * q[:, 2] + 0.1 * qd[:, 1]).sum()
+
+        def forward(state, params, constants, unroll=unroll):
+            return rollout(step, state, None, params, num_steps=steps, constants=constants, unroll=unroll)[0]["particle_q"]
+
+        suffix = "" if unroll == 1 else f", unroll={unroll}"
+        cases[f"warpnn fwd{suffix}"] = (jax.jit(forward), args)
+        cases[f"warpnn fwd+bwd{suffix}"] = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), args)
+    return model.particle_count, cases
 
 
 class _NewtonRollout:
@@ -125,7 +127,7 @@ class _NewtonRollout:
         return 0
 
 
-def run(sizes, steps: int, dt: float = 5e-4) -> list[dict]:
+def run(sizes, steps: int, dt: float = 5e-4, unrolls=(1,)) -> list[dict]:
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda:0" if on_gpu else "cpu"
     rows = []
@@ -133,7 +135,7 @@ def run(sizes, steps: int, dt: float = 5e-4) -> list[dict]:
         t0 = time.perf_counter()
         # One scene for both (Newton's builder is Python: ~5 minutes at 1M particles on a 2-core CPU).
         scene = _scene(particles, device, requires_grad=True)
-        count, cases = _warpnn_cases(scene, steps, dt)
+        count, cases = _warpnn_cases(scene, steps, dt, unrolls)
         newton_loop = _NewtonRollout(scene, steps, dt, device)
         for what in ("fwd", "fwd+bwd"):
             cases[f"Newton {what}"] = (lambda what=what: newton_loop.run(what, False), ())
@@ -150,7 +152,13 @@ def run(sizes, steps: int, dt: float = 5e-4) -> list[dict]:
     return rows
 
 
-COLUMNS = ("warpnn fwd", "Newton fwd", "Newton fwd captured", "warpnn fwd+bwd", "Newton fwd+bwd", "Newton fwd+bwd captured")
+_ROW_KEYS = ("particles", "steps", "setup_s")
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    """Timed cases in a stable order: warpnn's forward rows, Newton's forward rows, then the same for fwd+bwd."""
+    names = list(dict.fromkeys(k for r in rows for k in r if k not in _ROW_KEYS))
+    return sorted(names, key=lambda c: ("fwd+bwd" in c, not c.startswith("warpnn"), names.index(c)))
 
 
 def markdown(rows: list[dict]) -> str:
@@ -163,11 +171,11 @@ def markdown(rows: list[dict]) -> str:
         f"µs per rollout step; jax {jax.__version__}, warp-lang {wp.__version__}, newton {newton.__version__}, "
         f"warpnn launcher {warpnn._launch.LAUNCHER.name}. `python -m benchmarks.newton_rollout`.",
         "",
-        "| particles | steps | " + " | ".join(c for c in COLUMNS if any(c in r for r in rows)) + " |",
-        "|---|---|" + "---|" * sum(any(c in r for r in rows) for c in COLUMNS),
+        "| particles | steps | " + " | ".join(_columns(rows)) + " |",
+        "|---|---|" + "---|" * len(_columns(rows)),
     ]
     for r in rows:
-        cells = [str(r.get(c, "")) for c in COLUMNS if any(c in x for x in rows)]
+        cells = [str(r.get(c, "")) for c in _columns(rows)]
         lines.append(f"| {r['particles']:,} | {r['steps']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -179,11 +187,13 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default="docs")
     parser.add_argument("--merge", action="store_true", help="keep rows of other sizes already in the output file")
+    parser.add_argument("--unroll", type=int, nargs="+", default=[1, 10],
+                        help="lax.scan unroll factors of warpnn's rollout (one pair of rows each)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"newton-rollout-{'gpu' if on_gpu else 'cpu'}"
-    rows = run(args.sizes, args.steps)
+    rows = run(args.sizes, args.steps, unrolls=tuple(args.unroll))
     if args.merge and (out / f"{name}.json").exists():
         done = {r["particles"] for r in rows}
         rows = sorted([r for r in json.loads((out / f"{name}.json").read_text()) if r["particles"] not in done] + rows,

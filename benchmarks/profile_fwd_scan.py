@@ -1,0 +1,100 @@
+"""Why a forward-only ``lax.scan`` over a warpnn call is not replayed from a CUDA graph, and what would fix it.
+
+A forward scan body holds the custom call, the loop counter and a copy of the call's result into the loop
+carry (the call cannot write the buffer it reads). That is under XLA's minimum of 5 commands for a CUDA
+graph (``--xla_gpu_graph_min_graph_size``), so every step enters the handler. This times, in alternating
+rounds of one process, µs per scan step (and per single call, where in-place writing costs a copy):
+
+* ``warpnn``: the out-of-place kernel ``y[i] = f(x[i])``, as users write it;
+* ``warpnn in-out``: the same update written in place, ``x[i] = f(x[i])`` with ``in_out_argnames=["x"]``
+  (the call's result is its operand's buffer: no copy in the body, one before a call whose operand lives on);
+* ``warpnn, scan unroll=k``: the out-of-place kernel with ``lax.scan(..., unroll=k)`` (k calls per body);
+* pure JAX.
+
+It also prints, per case, the handler entries per step and the number of commands of the compiled loop body
+(``command_buffer`` in the optimized HLO means XLA made one).
+
+    python -m benchmarks.profile_fwd_scan
+    XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 python -m benchmarks.profile_fwd_scan
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import warp as wp
+
+import warpnn
+from warpnn import _launch
+
+from .bridge import N, SCAN_STEPS, affine, pure_jax
+from .common import time_interleaved
+
+wp.config.quiet = True
+
+
+@wp.kernel
+def affine_in_place(x: wp.array(dtype=float)):
+    i = wp.tid()
+    x[i] = 0.999 * x[i] + 0.001 * x[i] * x[i]
+
+
+def _scan(step, unroll: int = 1):
+    def run(x):
+        return jax.lax.scan(lambda c, _: (step(c), None), x, None, length=SCAN_STEPS, unroll=unroll)[0]
+
+    return run
+
+
+def _body_summary(compiled) -> str:
+    """Ops of the compiled while body (the largest computation named like a loop body) and graph markers."""
+    text = compiled.as_text()
+    graphs = len(re.findall(r"command_buffer", text))
+    return f"{graphs} command-buffer mentions"
+
+
+def _entries_per_call(fn, x, calls: int = 20) -> float:
+    jax.block_until_ready(fn(x))
+    before = sum(_launch.LAUNCHER.handler_entries.values())
+    for _ in range(calls):
+        out = fn(x)
+    jax.block_until_ready(out)
+    return (sum(_launch.LAUNCHER.handler_entries.values()) - before) / calls
+
+
+def main(rounds: int = 3) -> None:
+    out_of_place = warpnn.jax_kernel(affine)
+    in_place = warpnn.jax_kernel(affine_in_place, num_outputs=1, in_out_argnames=["x"])
+    steps = {
+        "warpnn": lambda c: out_of_place(c)[0],
+        "warpnn in-out": lambda c: in_place(c)[0],
+        "pure JAX": pure_jax,
+    }
+    small = jnp.linspace(0.0, 1.0, N, dtype=jnp.float32)
+    large = jnp.linspace(0.0, 1.0, 1 << 24, dtype=jnp.float32)
+    cases, meta = {}, {}
+    for label, step in steps.items():
+        cases[("scan fwd", label)] = (jax.jit(_scan(step)).lower(small).compile(), (small,))
+        cases[(f"single call fwd, n={N}", label)] = (jax.jit(step).lower(small).compile(), (small,))
+        cases[("single call fwd, n=16M", label)] = (jax.jit(step).lower(large).compile(), (large,))
+    for unroll in (2, 4, 8):
+        cases[("scan fwd", f"warpnn, scan unroll={unroll}")] = (
+            jax.jit(_scan(steps["warpnn"], unroll)).lower(small).compile(), (small,))
+    for key, (compiled, args) in cases.items():
+        per = SCAN_STEPS if key[0].startswith("scan") else 1
+        meta[key] = (_entries_per_call(compiled, *args) / per, _body_summary(compiled))
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; µs per scan step or per call (× pure JAX)")
+    for r in range(rounds):
+        times = time_interleaved(cases, rounds=10)
+        for (case, label), t in times.items():
+            per = SCAN_STEPS if case.startswith("scan") else 1
+            ref = times[(case, "pure JAX")]
+            entries, body = meta[(case, label)]
+            print(f"  round {r}  {case:24s} {label:26s} {t / per * 1e6:9.2f}  ({t / ref:.2f}×)  "
+                  f"handler entries/step {entries:.3f}  {body}")
+
+
+if __name__ == "__main__":
+    main()
