@@ -8,13 +8,13 @@ rounds of one process, µs per scan step (and per single call, where in-place wr
 * ``warpnn``: the out-of-place kernel ``y[i] = f(x[i])``, as users write it;
 * ``warpnn in-out``: the same update written in place, ``x[i] = f(x[i])`` with ``in_out_argnames=["x"]``
   (the call's result is its operand's buffer: no copy in the body, one before a call whose operand lives on);
-* ``warpnn, scan unroll=k``: the out-of-place kernel with ``lax.scan(..., unroll=k)`` (k calls per body);
-* pure JAX.
+* pure JAX;
+* each of them again with ``lax.scan(..., unroll=k)`` (k steps per loop iteration).
 
 It also prints, per case, the handler entries per step and the number of commands of the compiled loop body
 (``command_buffer`` in the optimized HLO means XLA made one).
 
-    python -m benchmarks.profile_fwd_scan
+    python -m benchmarks.profile_fwd_scan [rounds]
     XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 python -m benchmarks.profile_fwd_scan
 """
 
@@ -80,8 +80,9 @@ def main(rounds: int = 3) -> None:
         cases[(f"single call fwd, n={N}", label)] = (jax.jit(step).lower(small).compile(), (small,))
         cases[("single call fwd, n=16M", label)] = (jax.jit(step).lower(large).compile(), (large,))
     for unroll in (2, 4, 8):
-        cases[("scan fwd", f"warpnn, scan unroll={unroll}")] = (
-            jax.jit(_scan(steps["warpnn"], unroll)).lower(small).compile(), (small,))
+        for label, step in steps.items():
+            cases[("scan fwd", f"{label}, scan unroll={unroll}")] = (
+                jax.jit(_scan(step, unroll)).lower(small).compile(), (small,))
     for key, (compiled, args) in cases.items():
         per = SCAN_STEPS if key[0].startswith("scan") else 1
         meta[key] = (_entries_per_call(compiled, *args) / per, _body_summary(compiled))
@@ -97,4 +98,6 @@ def main(rounds: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(rounds=int(sys.argv[1]) if len(sys.argv) > 1 else 3)

@@ -159,7 +159,52 @@ def _other_cases():
     }
 
 
-CASES = {**_springs_cases(), **_other_cases()}
+@wp.kernel
+def decay_in_place(a: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()  # reads its own element, then overwrites it: a thread-private in-out array
+    y[i] = 0.5 * y[i] * y[i] + a[0] * y[i]
+
+
+@wp.kernel
+def scatter_into(idx: wp.array(dtype=wp.int32), v: wp.array(dtype=float), acc: wp.array(dtype=float)):
+    i = wp.tid()  # accumulates anywhere into an in-out array
+    wp.atomic_add(acc, idx[i], v[i])
+
+
+def _in_out_cases():
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(11), 3)
+    a = jnp.array([0.7])
+    y = jax.random.normal(k1, (4, 9))
+    v = jax.random.normal(k2, (4, 12))
+    idx = jax.random.randint(k3, (12,), 0, 9).astype(jnp.int32)
+    decay = warpnn.jax_kernel(decay_in_place, launch_dims=9, in_out_argnames=["y"])
+    scatter = warpnn.jax_kernel(scatter_into, in_out_argnames=["acc"])
+    decay_ref = lambda a, y: 0.5 * y * y + a[0] * y  # noqa: E731
+    scatter_ref = lambda v, acc: acc.at[idx].add(v)  # noqa: E731
+    decay_loss = lambda f: lambda a, y: jnp.sum(f(a, y) ** 2)  # noqa: E731
+    scatter_loss = lambda f: lambda v, acc: jnp.sum(jnp.sin(f(v, acc)))  # noqa: E731
+    ours_decay, ours_scatter = (lambda a, y: decay(a, y)[0]), (lambda v, acc: scatter(idx, v, acc)[0])
+    return {
+        "in_place_vmap": (
+            lambda: jax.jit(jax.vmap(ours_decay, in_axes=(None, 0)))(a, y),
+            lambda: jax.vmap(decay_ref, in_axes=(None, 0))(a, y),
+        ),
+        "in_place_vmap_grad": (
+            lambda: jax.jit(jax.vmap(jax.grad(decay_loss(ours_decay), argnums=(0, 1)), in_axes=(None, 0)))(a, y),
+            lambda: jax.vmap(jax.grad(decay_loss(decay_ref), argnums=(0, 1)), in_axes=(None, 0))(a, y),
+        ),
+        "in_out_scatter_vmap": (
+            lambda: jax.jit(jax.vmap(ours_scatter))(v, y),
+            lambda: jax.vmap(scatter_ref)(v, y),
+        ),
+        "in_out_scatter_grad_vmap": (
+            lambda: jax.jit(jax.grad(lambda v, acc: jax.vmap(scatter_loss(ours_scatter))(v, acc).sum(), argnums=(0, 1)))(v, y),
+            lambda: jax.grad(lambda v, acc: jax.vmap(scatter_loss(scatter_ref))(v, acc).sum(), argnums=(0, 1))(v, y),
+        ),
+    }
+
+
+CASES = {**_springs_cases(), **_other_cases(), **_in_out_cases()}
 
 
 @native

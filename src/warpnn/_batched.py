@@ -491,6 +491,11 @@ def declare_native(lib) -> None:
 _PRIVATE, _NO_REDUCTION, _K_INT, _K_UINT, _K_FLOAT = -2, -1, 0, 1, 2
 
 
+def _read_results(sig) -> tuple[str, ...]:
+    """Results whose values the kernel reads: pure outputs it reads, and in-out arrays it reads (most do)."""
+    return (*sig.outputs_read, *(s.name for s in sig.in_out if sig.uses[s.name].reads))
+
+
 def _partial_kind(spec, private: frozenset, assigned: frozenset, read: tuple) -> int:
     if spec.name in private:
         return _PRIVATE
@@ -593,9 +598,13 @@ class NativeTwins:
         if rc != 0:
             raise RuntimeError(f"the native library refused the twin's layout ({rc})")
         private, assigned = sig.thread_private_arrays
-        fwd = [_partial_kind(s, private, assigned, sig.outputs_read) for s in sig.outputs]
+        # One kind per result of each mode, in the handler's order: forward, in-out arrays then outputs;
+        # adjoint, input adjoints then carried adjoints (the in-out arrays' grads, aliased to their cotangents).
+        fwd = [_partial_kind(s, private, assigned, _read_results(sig)) for s in sig.results]
         adj = [_K_FLOAT if s.name not in private and s.dtype.itemsize in (4, 8) else _PRIVATE if s.name in private else _NO_REDUCTION
                for s in sig.adjoint_inputs]
+        # A carried adjoint starts as the cotangent, which the adjoint reads: a zeroed partial would miss it.
+        adj += [_PRIVATE if s.name in private else _NO_REDUCTION for s in sig.carried_adjoints]
         fwd_arr = (ctypes.c_int32 * max(1, len(fwd)))(*fwd)
         adj_arr = (ctypes.c_int32 * max(1, len(adj)))(*adj)
         rc = self._lib.warpnn_set_twin_partials(kid, len(fwd), fwd_arr, len(adj), adj_arr)

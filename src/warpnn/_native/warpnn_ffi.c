@@ -912,6 +912,13 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
         uint64_t data = (uint64_t)(uintptr_t)arrays[k].base;
         memcpy(arrays[k].field + offsetof(wp_array_t, data), &data, sizeof(data));
     }
+    /* carried adjoints (P_GRAD_ALIAS): the primal's grad is its whole adjoint buffer, which has the primal's batch
+     * stride (checked by the caller), so Warp's views x_b[b] find each element's adjoint at the primal's offset */
+    for (int32_t k = 0; k < num_arrays; ++k)
+        if (arrays[k].grad_from >= 0) {
+            uint64_t grad = (uint64_t)(uintptr_t)arrays[arrays[k].grad_from].base;
+            memcpy(arrays[k].field + offsetof(wp_array_t, grad), &grad, sizeof(grad));
+        }
     int32_t zero = 0;
     memcpy(args_struct + twin->first_batch_offset, &zero, 4);
     memcpy(args_struct + twin->first_row_offset, &zero, 4);
@@ -1438,7 +1445,8 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         int flat = tfn != NULL && (!cuda || te->context == entry->context);
         for (int32_t k = 0; flat && k < num_arrays; ++k)
             flat = arrays[k].flat_stride >= 0 && (uint64_t)arrays[k].flat_stride * (uint64_t)num_batch <= INT32_MAX &&
-                   arrays[k].grad_from < 0; /* grad aliases are set per element: keep those on the loop */
+                   /* a grad alias is addressed with its primal's strides: the same batch stride, or the loop */
+                   (arrays[k].grad_from < 0 || arrays[arrays[k].grad_from].flat_stride == arrays[k].flat_stride);
         if (flat) {
             if (!cuda) pthread_mutex_lock(&g_cpu_launch_lock); /* also guards the thread pool and its scratch */
             error = launch_twin(api, d, twin, te, tfn, mode, cuda, ordinal, stream, driver, dims_attr, num_batch,
