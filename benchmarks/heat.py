@@ -99,7 +99,10 @@ class _Threads:
     def __init__(self, fn, args, threads: int):
         self.threads = threads
         self._set(threads)
-        self.compiled = jax.jit(fn).lower(*args).compile()  # the twin decision is made while lowering
+        # The twin decision is made while lowering, and JAX reuses a function's lowering: without clearing its
+        # caches every thread count would run the first one's program (a 1-thread program never splits).
+        jax.clear_caches()
+        self.compiled = jax.jit(fn).lower(*args).compile()
 
     @staticmethod
     def _set(threads: int):

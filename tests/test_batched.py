@@ -161,8 +161,8 @@ def _other_cases():
 
 @wp.kernel
 def decay_in_place(a: wp.array(dtype=float), y: wp.array(dtype=float)):
-    i = wp.tid()  # reads its own element, then overwrites it: a thread-private in-out array
-    y[i] = 0.5 * y[i] * y[i] + a[0] * y[i]
+    tid = wp.tid()  # (named as in Newton's kernels) reads its own element, then overwrites it: private in-out
+    y[tid] = 0.5 * y[tid] * y[tid] + a[0] * y[tid]
 
 
 @wp.kernel
@@ -270,6 +270,7 @@ def test_twin_refuses_what_it_cannot_express():
     assert "passes it to a function" in _batched.twin_of(passes_array)
     assert "4 dims" in _batched.twin_of(four_d)
     assert isinstance(_batched.twin_of(scale_square), _batched.Twin)
+    assert isinstance(_batched.twin_of(decay_in_place), _batched.Twin)  # a variable named `tid` is no alias
 
 
 # --------------------------------------------------------------------------------------------------

@@ -158,8 +158,11 @@ def _is_tid_call(node: ast.AST) -> bool:
 class _TidReplacer(ast.NodeTransformer):
     """Replace each ``wp.tid()`` by the twin's per-element coordinates (names ``warpnn_t<k>``)."""
 
-    def __init__(self, kernel_dim: int):
+    def __init__(self, kernel_dim: int, variables: frozenset[str] = frozenset()):
         self.kernel_dim = kernel_dim
+        # Names the kernel assigns (`tid = wp.tid()` is common): a load of such a name is the variable, not
+        # an alias of wp.tid.
+        self.variables = variables
 
     def _names(self):
         return [ast.Name(id=f"{BATCH_PREFIX}t{k}", ctx=ast.Load()) for k in range(self.kernel_dim)]
@@ -190,7 +193,7 @@ class _TidReplacer(ast.NodeTransformer):
         return self.generic_visit(node)
 
     def visit_Name(self, node: ast.Name):
-        if node.id == "tid" or node.id.startswith(BATCH_PREFIX):
+        if (node.id == "tid" and node.id not in self.variables) or node.id.startswith(BATCH_PREFIX):
             raise _Refused(f"it uses the name '{node.id}', which the transformation needs")
         return node
 
@@ -296,7 +299,8 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
     if any(n.startswith(BATCH_PREFIX) or n.endswith(_ARRAY_SUFFIX) for n in params):
         raise _Refused("an argument name collides with the transformation's names")
 
-    body = [_TidReplacer(kernel_dim).visit(stmt) for stmt in fn.body]
+    assigned = frozenset(n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    body = [_TidReplacer(kernel_dim, assigned).visit(stmt) for stmt in fn.body]
     if batched:
         rewriter = _ArrayRewriter({n: arg_types[n].ndim for n in arrays})
         body = [[rewriter.visit(x) for x in stmt] if isinstance(stmt, list) else rewriter.visit(stmt) for stmt in body]
@@ -520,7 +524,8 @@ class NativeTwins:
 
     def set_cpu_threads(self, threads: int, min_work: int | None = None) -> None:
         """Threads for one CPU launch (1: every launch on XLA's calling thread) and the elements per thread
-        below which a launch is not split. Executables compiled before keep their twin decision."""
+        below which a launch is not split. Executables compiled before, and lowerings JAX reuses from its caches,
+        keep their twin decision (jax.clear_caches() drops the latter)."""
         min_work = min_work or _LAUNCH_CONFIG.get()[1]
         self._lib.warpnn_set_cpu_threads(int(threads), int(min_work))
         _LAUNCH_CONFIG.set((int(threads), int(min_work)))
