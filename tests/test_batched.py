@@ -59,8 +59,8 @@ def per_element_and_batched(monkeypatch, run):
 def _same(a, b):
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(a, b)
-    else:
-        assert_close(a, b, rtol=1e-6, atol=1e-6)
+    else:  # float32 atomics in another order: a few ulps of the partial sums (~1e-6 relative of |sum| ~ 100)
+        assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def _springs_cases():
