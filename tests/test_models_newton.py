@@ -116,13 +116,17 @@ def test_gradients_equal_tape_and_finite_differences(semi_implicit):
     states = [m2.state(requires_grad=True) for _ in range(T + 1)]
     for t in range(T):
         states[t].particle_f.assign(forces[t])
-    out = wp.zeros(1, dtype=float, requires_grad=True)
+    # Every array on the model's device (the CPU): Warp's default device on a GPU host is CUDA, and Warp 1.19
+    # launches a CUDA kernel on host arrays without a word (an illegal memory access).
+    device = m2.device
+    out = wp.zeros(1, dtype=float, requires_grad=True, device=device)
     tape = wp.Tape()
     with tape:
         for t in range(T):
             s2.step(states[t], states[t + 1], None, c2, DT)
         wp.launch(weighted_sum, m2.particle_count, inputs=[states[T].particle_q, states[T].particle_qd,
-                  wp.array(wq, dtype=wp.vec3), wp.array(wv, dtype=wp.vec3)], outputs=[out])
+                  wp.array(wq, dtype=wp.vec3, device=device), wp.array(wv, dtype=wp.vec3, device=device)],
+                  outputs=[out], device=device)
     tape.backward(out)
     assert abs(float(value) - out.numpy()[0]) <= 1e-5 * abs(out.numpy()[0])
     assert relative_error(g_state["particle_qd"], states[0].particle_qd.grad.numpy()) <= 1e-5

@@ -59,8 +59,10 @@ def run_both(make):
 def check_both(make, reference, rtol=1e-5, atol=1e-6):
     py, nat = run_both(make)
     ref = jax.tree.map(np.asarray, reference())
-    # Same kernels, same launch order: the launchers agree to rounding (atomics may reorder on a GPU).
-    jax.tree.map(lambda a, b: assert_close(a, b, 1e-6, 1e-7), nat, py)
+    # Same kernels: the launchers agree to rounding. On a GPU atomics add in no fixed order, and under vmap the
+    # native launcher runs one batched launch where the Python one launches per element (2e-6 seen on the H200).
+    rtol_same, atol_same = (1e-6, 1e-7) if jax.default_backend() == "cpu" else (1e-5, 1e-5)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol_same, atol_same), nat, py)
     jax.tree.map(lambda a, b: assert_close(a, b, rtol, atol), nat, ref)
 
 

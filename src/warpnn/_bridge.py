@@ -46,18 +46,32 @@ FORWARD_MODE_MESSAGE = (
 _JAX_JVP_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
 
 
-try:  # private JAX names, used only to give forward mode a clear message early
-    from jax._src.config import use_direct_linearize as _use_direct_linearize
-    from jax._src.interpreters.ad import JVPTracer as _JVPTracer
-except ImportError:  # a JAX that moved them: only the error translation in forward_mode_refused applies
-    _JVPTracer = None
+def _jvp_tracer_type() -> type | None:
+    """JAX's JVP tracer type (private), or None for a JAX that moved it (then only the error translation in
+    ``forward_mode_refused`` applies)."""
+    try:
+        from jax._src.interpreters.ad import JVPTracer
+    except ImportError:
+        return None
+    return JVPTracer
+
+
+_JVP_TRACER = _jvp_tracer_type()
+
+
+def _direct_linearize() -> bool:
+    try:
+        from jax._src.config import use_direct_linearize
+    except ImportError:  # a JAX without the switch linearizes directly
+        return True
+    return bool(use_direct_linearize.value)
 
 
 def _is_forward_mode(operands: Sequence[Any]) -> bool:
     # With direct linearization (JAX's default) only forward mode traces with JVP tracers; without it
     # jax.grad does too, and must not be refused.
-    return (_JVPTracer is not None and bool(_use_direct_linearize.value)
-            and any(isinstance(x, _JVPTracer) for x in operands))
+    return (_JVP_TRACER is not None and any(isinstance(x, _JVP_TRACER) for x in operands)
+            and _direct_linearize())
 
 
 @contextlib.contextmanager
