@@ -14,18 +14,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx, serialization
+from flax import nnx
 
 from warpnn_models.cloth import Cloth, ClothGrid, make_cloth_grid
 
-from . import common
+from . import common, nnx_policy
+from .nnx_policy import (  # noqa: F401 - also this task's public names, as before they were shared
+    CHECKPOINT,
+    checkpoint_bytes,
+    checkpoint_dict,
+    load_checkpoint,
+    read_checkpoint,
+    restore,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,90 +198,16 @@ def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progr
 
     ``resume_from`` (a :func:`read_checkpoint` dict) continues an earlier call: its policy parameters,
     optimiser state, random key, step and losses; ``save(checkpoint_dict)`` is called every
-    ``checkpoint_every`` steps and when training stops early (after step ``stop_after``).
+    ``checkpoint_every`` steps and when training stops early (after step ``stop_after``). The loop is
+    :func:`warpnn_train.nnx_policy.train`'s.
     """
     c = task.config
-    steps = c.steps if steps is None else steps
-    # Clipping guards against the rare exploding gradient of a long contact-rich rollout.
-    optimizer = nnx.Optimizer(policy, optax.chain(optax.clip_by_global_norm(1.0), optax.adam(c.lr)), wrt=nnx.Param)
-    eval_x0, eval_v0 = sample_initial_states(task, jax.random.PRNGKey(10_000 + seed), c.eval_batch)
-    evaluate = nnx.jit(lambda policy: batch_loss(task, policy, eval_x0, eval_v0))
-
-    @nnx.jit
-    def update(policy, optimizer, key):
-        x0s, v0s = sample_initial_states(task, key, c.batch)
-        value, grads = nnx.value_and_grad(lambda p: batch_loss(task, p, x0s, v0s))(policy)
-        optimizer.update(policy, grads)
-        return value
-
-    # The held-out loss of the untrained policy (deterministic from the seed: rebuilt when resuming).
-    eval_initial = float(evaluate(policy if resume_from is None else make_policy(task, seed)))
-    key, start, losses = jax.random.PRNGKey(seed), 0, []
-    if resume_from is not None:
-        restore(policy, optimizer, resume_from)
-        key, start = jnp.asarray(resume_from["key"], jnp.uint32), int(resume_from["step"])
-        losses = common.losses_list(resume_from["losses"], start)
-
-    def step(key):
-        key, sub = jax.random.split(key)
-        return key, update(policy, optimizer, sub)
-
-    def checkpoint(key, done: int, new_losses: list[float]) -> None:
-        save(checkpoint_dict(policy, done, optimizer=optimizer, key=key, losses=losses + new_losses, steps=steps))
-
-    key, new_losses, steps_per_s = common.train_loop(
-        step, key, steps, "cloth control", start=start, progress=progress,
-        checkpoint=checkpoint if save is not None else None, checkpoint_every=checkpoint_every, stop_after=stop_after)
-    eval_final = float(evaluate(policy))
-    return {"losses": losses + new_losses, "eval_initial": eval_initial, "eval_final": eval_final,
-            "steps_per_s": steps_per_s, "optimizer": optimizer, "key": key}
-
-
-CHECKPOINT = "checkpoint.msgpack"
-
-
-def checkpoint_dict(policy: Policy, step: int, *, optimizer: nnx.Optimizer | None = None, key=None,
-                    losses: list[float] = (), steps: int = 0) -> dict[str, Any]:
-    """What a checkpoint holds: policy parameters, steps done and, to resume training, the optimiser state,
-    the random key and the losses so far (NaN-padded to ``steps``)."""
-    tree: dict[str, Any] = {"params": nnx.to_pure_dict(nnx.state(policy, nnx.Param)), "step": step}
-    if optimizer is not None:
-        tree["opt_state"] = nnx.to_pure_dict(nnx.state(optimizer))
-        tree["key"] = np.asarray(key, np.uint32)
-        tree["losses"] = common.losses_array(list(losses), steps)
-    return tree
-
-
-def checkpoint_bytes(policy: Policy, step: int, **training_state) -> bytes:
-    """The policy's parameters and the step count (and, given ``optimizer``, ``key``, ``losses`` and
-    ``steps``, what resuming needs) as Flax msgpack bytes."""
-    return serialization.to_bytes(checkpoint_dict(policy, step, **training_state))
-
-
-def read_checkpoint(path) -> dict[str, Any]:
-    """A checkpoint written by :func:`run` as nested dicts of arrays (no template needed)."""
-    with open(path, "rb") as f:
-        return serialization.msgpack_restore(f.read())
-
-
-def restore(policy: Policy, optimizer: nnx.Optimizer | None, checkpoint: dict[str, Any]) -> None:
-    """Load a :func:`read_checkpoint` dict into ``policy`` (and ``optimizer``), which must match its shapes."""
-    state = nnx.state(policy, nnx.Param)
-    template = nnx.to_pure_dict(state)
-    nnx.replace_by_pure_dict(state, serialization.from_state_dict(template, checkpoint["params"]))
-    nnx.update(policy, state)
-    if optimizer is not None:
-        opt_state = nnx.state(optimizer)
-        template = nnx.to_pure_dict(opt_state)
-        nnx.replace_by_pure_dict(opt_state, serialization.from_state_dict(template, checkpoint["opt_state"]))
-        nnx.update(optimizer, opt_state)
-
-
-def load_checkpoint(path, policy: Policy) -> int:
-    """Load parameters written by :func:`run` into ``policy`` (same architecture); returns the step count."""
-    checkpoint = read_checkpoint(path)
-    restore(policy, None, checkpoint)
-    return int(checkpoint["step"])
+    return nnx_policy.train(
+        policy, seed=seed, steps=c.steps if steps is None else steps, lr=c.lr, batch=c.batch,
+        eval_batch=c.eval_batch, sample_initial_states=lambda key, batch: sample_initial_states(task, key, batch),
+        batch_loss=lambda p, x0s, v0s: batch_loss(task, p, x0s, v0s), untrained=lambda: make_policy(task, seed),
+        desc="cloth control", progress=progress, resume_from=resume_from, save=save,
+        checkpoint_every=checkpoint_every, stop_after=stop_after)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -283,12 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     task = make_task(config)
     policy = make_policy(task, args.seed)
     untrained = make_policy(task, args.seed)  # zero output layer: applies no force
-    resume_from = read_checkpoint(out / CHECKPOINT) if out.resume else None
-    save = lambda tree: common.atomic_write_bytes(out / CHECKPOINT, serialization.to_bytes(tree))  # noqa: E731
-    result = train(task, policy, args.seed, resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every,
-                   stop_after=out.stop_after)
-    save(checkpoint_dict(policy, config.steps, optimizer=result["optimizer"], key=result["key"],
-                         losses=result["losses"], steps=config.steps))
+    result, resume_from = nnx_policy.train_in(out, policy, config.steps,
+                                              functools.partial(train, task, policy, args.seed))
 
     # A held-out initial state for the figures.
     x0, v0 = (a[0] for a in sample_initial_states(task, jax.random.PRNGKey(20_000 + args.seed), 1))
@@ -300,15 +230,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "task": "cloth_control",
         "config": dataclasses.asdict(config),
         "seed": args.seed,
-        "initial_loss": result["losses"][0],
-        "final_loss": result["losses"][-1],
-        "eval_initial_loss": result["eval_initial"],
-        "eval_final_loss": result["eval_final"],
-        "loss_reduction": result["eval_initial"] / result["eval_final"],
+        **nnx_policy.training_metrics(result, config.steps, resume_from),
         "final_edge_rmse_m": final_edge_error,
-        "steps": config.steps,
-        "resumed_from_step": int(resume_from["step"]) if resume_from is not None else None,
-        "steps_per_s": result["steps_per_s"],
         "particles": task.grid.positions.shape[0],
         "springs": task.grid.springs.shape[0],
         "wall_time_s": time.perf_counter() - t0,

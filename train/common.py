@@ -311,16 +311,22 @@ def _to_builtin(obj):
 def environment() -> dict[str, Any]:
     """Where and with what a run ran: JAX backend and device, and package versions (for metrics.json)."""
     import platform
-    from importlib import metadata
 
-    versions = {"python": platform.python_version()}
+    versions: dict[str, str | None] = {"python": platform.python_version()}
     for package in ("jax", "jaxlib", "warp-lang", "flax", "equinox", "optax", "numpy"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
+        versions[package] = package_version(package)
     device = jax.devices()[0]
     return {"backend": jax.default_backend(), "device": f"{device.platform}:{device.device_kind}", "versions": versions}
+
+
+def package_version(package: str) -> str | None:
+    """The installed version of ``package`` (a distribution name), or None if it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def pyplot():

@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx, serialization
+from flax import nnx
 
-from . import common
-from .cloth_control import checkpoint_dict, read_checkpoint, restore  # policy-agnostic NNX checkpoints
+from . import common, nnx_policy
+from .nnx_policy import (  # noqa: F401 - also this task's public names, as before they were shared
+    CHECKPOINT,
+    checkpoint_dict,
+    load_checkpoint,
+    read_checkpoint,
+    restore,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,51 +190,16 @@ def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progr
     """Train ``policy`` in place with Adam; returns losses, held-out losses before/after and steps/s.
 
     ``resume_from`` (a ``read_checkpoint`` dict) continues an earlier call; ``save(checkpoint_dict)`` is called
-    every ``checkpoint_every`` steps and when training stops early (as in ``warpnn_train.cloth_control``).
+    every ``checkpoint_every`` steps and when training stops early (:func:`warpnn_train.nnx_policy.train`, the
+    loop of ``warpnn_train.cloth_control`` too).
     """
     c = task.config
-    steps = c.steps if steps is None else steps
-    optimizer = nnx.Optimizer(policy, optax.chain(optax.clip_by_global_norm(1.0), optax.adam(c.lr)), wrt=nnx.Param)
-    eval_q0, eval_qd0 = sample_initial_states(task, jax.random.PRNGKey(10_000 + seed), c.eval_batch)
-    evaluate = nnx.jit(lambda policy: batch_loss(task, policy, eval_q0, eval_qd0))
-
-    @nnx.jit
-    def update(policy, optimizer, key):
-        q0s, qd0s = sample_initial_states(task, key, c.batch)
-        value, grads = nnx.value_and_grad(lambda p: batch_loss(task, p, q0s, qd0s))(policy)
-        optimizer.update(policy, grads)
-        return value
-
-    eval_initial = float(evaluate(policy if resume_from is None else make_policy(task, seed)))
-    key, start, losses = jax.random.PRNGKey(seed), 0, []
-    if resume_from is not None:
-        restore(policy, optimizer, resume_from)
-        key, start = jnp.asarray(resume_from["key"], jnp.uint32), int(resume_from["step"])
-        losses = common.losses_list(resume_from["losses"], start)
-
-    def step(key):
-        key, sub = jax.random.split(key)
-        return key, update(policy, optimizer, sub)
-
-    def checkpoint(key, done: int, new_losses: list[float]) -> None:
-        save(checkpoint_dict(policy, done, optimizer=optimizer, key=key, losses=losses + new_losses, steps=steps))
-
-    key, new_losses, steps_per_s = common.train_loop(
-        step, key, steps, "newton push", start=start, progress=progress,
-        checkpoint=checkpoint if save is not None else None, checkpoint_every=checkpoint_every, stop_after=stop_after)
-    eval_final = float(evaluate(policy))
-    return {"losses": losses + new_losses, "eval_initial": eval_initial, "eval_final": eval_final,
-            "steps_per_s": steps_per_s, "optimizer": optimizer, "key": key}
-
-
-CHECKPOINT = "checkpoint.msgpack"
-
-
-def load_checkpoint(path, policy: Policy) -> int:
-    """Load parameters written by :func:`run` into ``policy`` (same architecture); returns the step count."""
-    checkpoint = read_checkpoint(path)
-    restore(policy, None, checkpoint)
-    return int(checkpoint["step"])
+    return nnx_policy.train(
+        policy, seed=seed, steps=c.steps if steps is None else steps, lr=c.lr, batch=c.batch,
+        eval_batch=c.eval_batch, sample_initial_states=lambda key, batch: sample_initial_states(task, key, batch),
+        batch_loss=lambda p, q0s, qd0s: batch_loss(task, p, q0s, qd0s), untrained=lambda: make_policy(task, seed),
+        desc="newton push", progress=progress, resume_from=resume_from, save=save,
+        checkpoint_every=checkpoint_every, stop_after=stop_after)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -238,14 +208,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     task = make_task(config)
     policy, untrained = make_policy(task, args.seed), make_policy(task, args.seed)
-    resume_from = read_checkpoint(out / CHECKPOINT) if out.resume else None
-    save = lambda tree: common.atomic_write_bytes(out / CHECKPOINT, serialization.to_bytes(tree))  # noqa: E731
-    result = train(task, policy, args.seed, resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every,
-                   stop_after=out.stop_after)
-    save(checkpoint_dict(policy, config.steps, optimizer=result["optimizer"], key=result["key"],
-                         losses=result["losses"], steps=config.steps))
+    result, resume_from = nnx_policy.train_in(out, policy, config.steps,
+                                              functools.partial(train, task, policy, args.seed))
 
-    q0s, qd0s = sample_initial_states(task, jax.random.PRNGKey(10_000 + args.seed), config.eval_batch)
+    q0s, qd0s = sample_initial_states(task, jax.random.PRNGKey(nnx_policy.EVAL_KEY_OFFSET + args.seed),
+                                       config.eval_batch)
     run_batch = nnx.jit(lambda p: jax.vmap(lambda q, qd: rollout(task, p, q, qd))(q0s, qd0s))
     qs, forces = run_batch(policy)
     qs_untrained, _ = run_batch(untrained)
@@ -255,34 +222,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": dataclasses.asdict(config),
         "seed": args.seed,
         "solver": "newton.solvers.SolverSemiImplicit (unmodified), replayed by warpnn.trace",
-        "initial_loss": result["losses"][0],
-        "final_loss": result["losses"][-1],
-        "eval_initial_loss": result["eval_initial"],
-        "eval_final_loss": result["eval_final"],
-        "loss_reduction": result["eval_initial"] / result["eval_final"],
+        **nnx_policy.training_metrics(result, config.steps, resume_from),
         "final_com_error_m": float(final_error.mean()),
-        "steps": config.steps,
-        "resumed_from_step": int(resume_from["step"]) if resume_from is not None else None,
-        "steps_per_s": result["steps_per_s"],
         "particles": int(task.rest.shape[0]),
         "launches_per_step": task.step.program.num_launches,
         "wall_time_s": time.perf_counter() - t0,
         **common.environment(),
     }
-    metrics["versions"]["newton"] = _version("newton")
+    metrics["versions"]["newton"] = common.package_version("newton")
     common.write_json(out / "metrics.json", metrics)
     common.plot_loss(out / "loss.png", result["losses"], "Newton cloth pushing: training loss (m$^2$)")
     plot_trajectories(out / "trajectories.png", task, np.asarray(qs), np.asarray(qs_untrained), np.asarray(forces))
     return metrics
-
-
-def _version(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def plot_trajectories(path, task: Task, qs: np.ndarray, qs_untrained: np.ndarray, forces: np.ndarray) -> None:
