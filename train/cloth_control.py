@@ -76,15 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ControlConfig:
-    d = ControlConfig()
-    return dataclasses.replace(
-        d,
-        frames=getattr(args, "frames", d.frames),
-        batch=getattr(args, "batch", d.batch),
-        lr=getattr(args, "lr", d.lr),
-        backend=getattr(args, "backend", d.backend),
-        steps=args.steps if getattr(args, "steps", None) is not None else d.steps,
-    )
+    return common.config_from_args(ControlConfig, args)
 
 
 class Policy(nnx.Module):
@@ -191,23 +183,9 @@ def batch_loss(task: Task, policy: Policy, x0s, v0s) -> jax.Array:
     return jnp.mean(jax.vmap(one)(x0s, v0s))
 
 
-def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progress: bool = True, *,
-          resume_from: dict | None = None, save=None, checkpoint_every: int = 0,
-          stop_after: int | None = None) -> dict[str, Any]:
-    """Train ``policy`` in place with Adam; returns losses, held-out losses before/after and steps/s.
-
-    ``resume_from`` (a :func:`read_checkpoint` dict) continues an earlier call: its policy parameters,
-    optimiser state, random key, step and losses; ``save(checkpoint_dict)`` is called every
-    ``checkpoint_every`` steps and when training stops early (after step ``stop_after``). The loop is
-    :func:`warpnn_train.nnx_policy.train`'s.
-    """
-    c = task.config
-    return nnx_policy.train(
-        policy, seed=seed, steps=c.steps if steps is None else steps, lr=c.lr, batch=c.batch,
-        eval_batch=c.eval_batch, sample_initial_states=lambda key, batch: sample_initial_states(task, key, batch),
-        batch_loss=lambda p, x0s, v0s: batch_loss(task, p, x0s, v0s), untrained=lambda: make_policy(task, seed),
-        desc="cloth control", progress=progress, resume_from=resume_from, save=save,
-        checkpoint_every=checkpoint_every, stop_after=stop_after)
+# train(task, policy, seed, steps=None, progress=True, *, resume_from=None, save=None, checkpoint_every=0,
+# stop_after=None): Adam on batch_loss over sampled initial states, resumable (warpnn_train.nnx_policy).
+train = nnx_policy.task_trainer(sample_initial_states, batch_loss, make_policy, "cloth control")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

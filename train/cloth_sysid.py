@@ -59,17 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SysIdConfig:
-    d = SysIdConfig()
-    return dataclasses.replace(
-        d,
-        rows=getattr(args, "rows", d.rows),
-        cols=getattr(args, "cols", d.cols),
-        frames=getattr(args, "frames", d.frames),
-        dt=getattr(args, "dt", d.dt),
-        lr=getattr(args, "lr", d.lr),
-        backend=getattr(args, "backend", d.backend),
-        steps=args.steps if getattr(args, "steps", None) is not None else d.steps,
-    )
+    return common.config_from_args(SysIdConfig, args)
 
 
 # --------------------------------------------------------------------------------------------------

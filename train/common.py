@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import numpy as np
@@ -22,10 +22,16 @@ from tqdm.auto import tqdm
 # Checkpoints, metrics and figures are written with the library's atomic writer (temp file, fsync, rename).
 from warpnn import atomic_write_bytes
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 try:
     import fcntl
 except ImportError:  # Windows: no advisory locks; one run per folder is then the user's to keep
     fcntl = None  # type: ignore[assignment]
+
+
+ConfigT = TypeVar("ConfigT", bound="DataclassInstance")  # a task's configuration dataclass
 
 
 class UsageError(Exception):
@@ -133,6 +139,14 @@ def run_identity(task: str, args: Any, config: Any = None) -> dict[str, Any]:
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         identity["config"] = dataclasses.asdict(config)
     return _to_builtin(identity)
+
+
+def config_from_args(config_type: type[ConfigT], args: Any) -> ConfigT:
+    """The default ``config_type()`` (a dataclass) with each field that ``args`` sets (not None) taken from
+    ``args``: a task's options are the configuration fields of the same name (``--steps`` sets ``steps``)."""
+    given = {field.name: getattr(args, field.name) for field in dataclasses.fields(config_type)
+             if getattr(args, field.name, None) is not None}
+    return dataclasses.replace(config_type(), **given)
 
 
 def run_dir(args: Any, config: Any = None) -> RunDir:

@@ -65,11 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> GeometryConfig:
-    d = GeometryConfig()
-    fields = {f.name for f in dataclasses.fields(GeometryConfig)} - {"steps"}
-    given = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
-    steps = args.steps if getattr(args, "steps", None) is not None else d.steps
-    return dataclasses.replace(d, **given, steps=steps)
+    return common.config_from_args(GeometryConfig, args)
 
 
 # --------------------------------------------------------------------------------------------------

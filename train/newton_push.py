@@ -73,14 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> PushConfig:
-    d = PushConfig()
-    return dataclasses.replace(
-        d,
-        frames=getattr(args, "frames", d.frames),
-        batch=getattr(args, "batch", d.batch),
-        lr=getattr(args, "lr", d.lr),
-        steps=args.steps if getattr(args, "steps", None) is not None else d.steps,
-    )
+    return common.config_from_args(PushConfig, args)
 
 
 @dataclasses.dataclass
@@ -184,22 +177,9 @@ def batch_loss(task: Task, policy: Policy, q0s, qd0s) -> jax.Array:
     return jnp.mean(jax.vmap(lambda q0, qd0: push_loss(task, rollout(task, policy, q0, qd0)[0]))(q0s, qd0s))
 
 
-def train(task: Task, policy: Policy, seed: int, steps: int | None = None, progress: bool = True, *,
-          resume_from: dict | None = None, save=None, checkpoint_every: int = 0,
-          stop_after: int | None = None) -> dict[str, Any]:
-    """Train ``policy`` in place with Adam; returns losses, held-out losses before/after and steps/s.
-
-    ``resume_from`` (a ``read_checkpoint`` dict) continues an earlier call; ``save(checkpoint_dict)`` is called
-    every ``checkpoint_every`` steps and when training stops early (:func:`warpnn_train.nnx_policy.train`, the
-    loop of ``warpnn_train.cloth_control`` too).
-    """
-    c = task.config
-    return nnx_policy.train(
-        policy, seed=seed, steps=c.steps if steps is None else steps, lr=c.lr, batch=c.batch,
-        eval_batch=c.eval_batch, sample_initial_states=lambda key, batch: sample_initial_states(task, key, batch),
-        batch_loss=lambda p, q0s, qd0s: batch_loss(task, p, q0s, qd0s), untrained=lambda: make_policy(task, seed),
-        desc="newton push", progress=progress, resume_from=resume_from, save=save,
-        checkpoint_every=checkpoint_every, stop_after=stop_after)
+# train(task, policy, seed, steps=None, progress=True, *, resume_from=None, save=None, checkpoint_every=0,
+# stop_after=None): Adam on batch_loss over sampled initial states, resumable (warpnn_train.nnx_policy).
+train = nnx_policy.task_trainer(sample_initial_states, batch_loss, make_policy, "newton push")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -97,6 +97,38 @@ def train(
             "steps_per_s": steps_per_s, "optimizer": optimizer, "key": key}
 
 
+def task_trainer(sample_initial_states: Callable[..., tuple[jax.Array, jax.Array]],
+                 batch_loss: Callable[..., jax.Array], make_policy: Callable[[Any, int], nnx.Module],
+                 desc: str) -> Callable[..., dict[str, Any]]:
+    """A task's ``train(task, policy, seed, steps=None, progress=True, *, resume_from=None, save=None,
+    checkpoint_every=0, stop_after=None)``: :func:`train` with the task's own functions bound to ``task``.
+
+    ``sample_initial_states(task, key, batch)``, ``batch_loss(task, policy, x0s, v0s)`` and
+    ``make_policy(task, seed)`` are the task module's; ``task.config`` has ``steps``, ``lr``, ``batch`` and
+    ``eval_batch``; ``desc`` labels the progress bar.
+    """
+
+    def train_task(task: Any, policy: nnx.Module, seed: int, steps: int | None = None, progress: bool = True, *,
+                   resume_from: dict | None = None, save: Callable[[dict[str, Any]], None] | None = None,
+                   checkpoint_every: int = 0, stop_after: int | None = None) -> dict[str, Any]:
+        """Train ``policy`` in place with Adam; returns losses, held-out losses before/after and steps/s.
+
+        ``resume_from`` (a :func:`read_checkpoint` dict) continues an earlier call: its policy parameters,
+        optimiser state, random key, step and losses; ``save(checkpoint_dict)`` is called every
+        ``checkpoint_every`` steps and when training stops early (after step ``stop_after``). See
+        :func:`warpnn_train.nnx_policy.train`.
+        """
+        c = task.config
+        return train(
+            policy, seed=seed, steps=c.steps if steps is None else steps, lr=c.lr, batch=c.batch,
+            eval_batch=c.eval_batch, sample_initial_states=lambda key, n: sample_initial_states(task, key, n),
+            batch_loss=lambda p, x0s, v0s: batch_loss(task, p, x0s, v0s), untrained=lambda: make_policy(task, seed),
+            desc=desc, progress=progress, resume_from=resume_from, save=save, checkpoint_every=checkpoint_every,
+            stop_after=stop_after)
+
+    return train_task
+
+
 def train_in(out: common.RunDir, policy: nnx.Module, steps: int,
              train_fn: Callable[..., dict[str, Any]]) -> tuple[dict[str, Any], dict | None]:
     """Train in the run folder ``out``: resume from its checkpoint under ``--resume``, checkpoint there as
