@@ -31,37 +31,15 @@ from warpnn import _batched
 from warpnn._launch import LAUNCHER
 from warpnn.kernels import cloth
 
+# The stencil and its pure-JAX twin are the test suite's (tests/test_batched.py checks the threaded launches
+# with them): one definition, benchmarked here as it is tested there. Run from the repository root.
+from tests.kernels_for_tests import heat_step, heat_step_ref
+
 from .common import environment, fmt_ratio, fmt_us, time_interleaved
 from .models import spring_problem
 
 wp.config.quiet = True
 C = 0.2
-
-
-@wp.kernel
-def heat_step(u: wp.array2d(dtype=float), alpha: wp.array(dtype=float), c: float, out: wp.array2d(dtype=float)):
-    i, j = wp.tid()
-    n = u.shape[0]
-    m = u.shape[1]
-    ip = i + 1
-    if ip == n:
-        ip = 0
-    im = i - 1
-    if im < 0:
-        im = n - 1
-    jp = j + 1
-    if jp == m:
-        jp = 0
-    jm = j - 1
-    if jm < 0:
-        jm = m - 1
-    lap = u[ip, j] + u[im, j] + u[i, jp] + u[i, jm] - 4.0 * u[i, j]
-    out[i, j] = u[i, j] + alpha[0] * c * lap
-
-
-def heat_step_jax(u, alpha, c):
-    lap = jnp.roll(u, 1, 0) + jnp.roll(u, -1, 0) + jnp.roll(u, 1, 1) + jnp.roll(u, -1, 1) - 4.0 * u
-    return u + alpha[0] * c * lap
 
 
 @wp.kernel
@@ -79,7 +57,7 @@ def _warp_step(u, alpha):
 
 
 def _jax_step(u, alpha):
-    return heat_step_jax(u, alpha, C)
+    return heat_step_ref(u, alpha, C)
 
 
 def scan_fns(step, steps: int, weights):

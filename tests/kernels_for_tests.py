@@ -93,6 +93,34 @@ def cubic_f64_ref(x, w):
     return w * x**3 + jnp.sin(x * w)
 
 
+# A 2-D periodic heat-diffusion step: a stencil whose threads read their neighbours (u's adjoint scatters),
+# with neighbours wrapped by branches, not modulo. Also what benchmarks.heat times.
+@wp.kernel
+def heat_step(u: wp.array2d(dtype=float), alpha: wp.array(dtype=float), c: float, out: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    n = u.shape[0]
+    m = u.shape[1]
+    ip = i + 1
+    if ip == n:
+        ip = 0
+    im = i - 1
+    if im < 0:
+        im = n - 1
+    jp = j + 1
+    if jp == m:
+        jp = 0
+    jm = j - 1
+    if jm < 0:
+        jm = m - 1
+    lap = u[ip, j] + u[im, j] + u[i, jp] + u[i, jm] - 4.0 * u[i, j]
+    out[i, j] = u[i, j] + alpha[0] * c * lap
+
+
+def heat_step_ref(u, alpha, c):
+    lap = jnp.roll(u, 1, 0) + jnp.roll(u, -1, 0) + jnp.roll(u, 1, 1) + jnp.roll(u, -1, 1) - 4.0 * u
+    return u + alpha[0] * c * lap
+
+
 def chain_springs(n):
     """A chain of n particles with springs (i, i+1) and (i, i+2): shared connectivity for the tests."""
     a = jnp.arange(n - 1)

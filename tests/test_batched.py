@@ -19,6 +19,8 @@ from .kernels_for_tests import (
     affine_2d_ref,
     cubic_f64,
     cubic_f64_ref,
+    heat_step,
+    heat_step_ref,
     rotate,
     rotate_ref,
     scale_square,
@@ -275,32 +277,6 @@ def test_twin_refuses_what_it_cannot_express():
 
 # --------------------------------------------------------------------------------------------------
 # CPU threads
-
-
-@wp.kernel
-def heat_step(u: wp.array2d(dtype=float), alpha: wp.array(dtype=float), c: float, out: wp.array2d(dtype=float)):
-    i, j = wp.tid()
-    n = u.shape[0]
-    m = u.shape[1]
-    ip = i + 1
-    if ip == n:
-        ip = 0
-    im = i - 1
-    if im < 0:
-        im = n - 1
-    jp = j + 1
-    if jp == m:
-        jp = 0
-    jm = j - 1
-    if jm < 0:
-        jm = m - 1
-    lap = u[ip, j] + u[im, j] + u[i, jp] + u[i, jm] - 4.0 * u[i, j]
-    out[i, j] = u[i, j] + alpha[0] * c * lap
-
-
-def heat_step_ref(u, alpha, c):
-    lap = jnp.roll(u, 1, 0) + jnp.roll(u, -1, 0) + jnp.roll(u, 1, 1) + jnp.roll(u, -1, 1) - 4.0 * u
-    return u + alpha[0] * c * lap
 
 
 @pytest.fixture
