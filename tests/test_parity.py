@@ -24,6 +24,15 @@ def test_same_arguments_return_the_same_wrapper():
     assert warpnn.jax_kernel(K.scale_square, launch_dims=4) is not f
     assert warpnn.jax_kernel(K.two_outputs, 2, output_dims={"y": N, "total": 1}) is warpnn.jax_kernel(
         K.two_outputs, 2, output_dims={"total": 1, "y": N})
+    assert warpnn.jax_kernel(K.scale_square, enable_backward=True) is f  # warpnn's default: None means True
+    assert warpnn.jax_kernel(K.scale_square, enable_backward=False) is not f
+    assert warpnn.jax_kernel(K.scale_square, block_dim=np.int64(8)) is warpnn.jax_kernel(K.scale_square, block_dim=8)
+
+
+def test_warp_kernel_is_created_by_jax_kernel():
+    # WarpKernel takes jax_kernel's checked options, not Warp's arguments: a direct call says what to use.
+    with pytest.raises(TypeError, match=r"created by warpnn\.jax_kernel"):
+        warpnn.WarpKernel(K.scale_square, 1)
 
 
 def test_positional_parameters_follow_warps_order():

@@ -134,6 +134,11 @@ UNDECIDED_INPUT_MESSAGE = (
     "(and returns it, counted by num_outputs)."
 )
 
+CONSTRUCTOR_MESSAGE = (
+    "warpnn.WarpKernel is created by warpnn.jax_kernel(kernel, num_outputs=..., ...), which takes Warp's "
+    "arguments and returns the same wrapper for the same arguments. Fix: call warpnn.jax_kernel instead."
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class _CallPlan:
@@ -158,37 +163,55 @@ class _CallPlan:
         return attrs
 
 
+@dataclasses.dataclass(frozen=True)
+class _KernelOptions:
+    """:func:`jax_kernel`'s arguments after the kernel, in its order (Warp's), with its defaults applied
+    (``in_out_argnames`` a tuple, ``enable_backward`` True unless False is given): what a wrapper is built
+    from, and what makes two calls of :func:`jax_kernel` return the same wrapper."""
+
+    num_outputs: int
+    vmap_method: str | None
+    launch_dims: Dims | None
+    output_dims: OutputDims | None
+    in_out_argnames: tuple[str, ...]
+    module_preload_mode: Any
+    enable_backward: bool
+    has_side_effect: bool
+    block_dim: int | None
+
+    def cache_key(self, kernel) -> tuple | None:
+        """The :data:`_WRAPPERS` key of ``kernel`` with these options, or None when an option is unhashable."""
+        key = (kernel, *(_hashable(getattr(self, f.name)) for f in dataclasses.fields(self)),
+               # an explicit block_dim means more than one CPU thread per block only with CPU blocks on
+               bool(wp.config.enable_cpu_blocks) if self.block_dim is not None else None)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+
 class WarpKernel:
     """A Warp kernel callable from JAX, differentiable in reverse mode. Create with :func:`jax_kernel`."""
 
-    def __init__(
-        self,
-        kernel,
-        num_outputs: int = 1,
-        vmap_method: str | None = None,
-        launch_dims: Dims | None = None,
-        output_dims: OutputDims | None = None,
-        in_out_argnames: Sequence[str] | None = None,
-        module_preload_mode=None,
-        enable_backward: bool | None = None,
-        has_side_effect: bool = False,
-        block_dim: int | None = None,
-    ):
-        block_dim = _check_block_dim(block_dim)
-        self.signature = signature_of(kernel, num_outputs, tuple(in_out_argnames or ()), block_dim)
+    def __init__(self, kernel, options: _KernelOptions):
+        if not isinstance(options, _KernelOptions):
+            raise TypeError(CONSTRUCTOR_MESSAGE)
+        self.signature = signature_of(kernel, options.num_outputs, options.in_out_argnames, options.block_dim)
         self.kernel = kernel
-        self.num_outputs = num_outputs
-        self.vmap_method = _check_vmap_method(vmap_method, self.signature)
+        self.num_outputs = options.num_outputs
+        self.vmap_method = _check_vmap_method(options.vmap_method, self.signature)
         self.in_out_argnames = self.signature.in_out_names
-        self.module_preload_mode = module_preload_mode
-        self.enable_backward = True if enable_backward is None else bool(enable_backward)
-        self.has_side_effect = bool(has_side_effect)
-        self.block_dim = block_dim
-        self.launch_dims = None if launch_dims is None else _normalize_dims(launch_dims, "launch_dims", self.signature)
-        self.output_dims = output_dims
+        self.module_preload_mode = options.module_preload_mode
+        self.enable_backward = options.enable_backward
+        self.has_side_effect = options.has_side_effect
+        self.block_dim = options.block_dim
+        self.launch_dims = (None if options.launch_dims is None
+                            else _normalize_dims(options.launch_dims, "launch_dims", self.signature))
+        self.output_dims = options.output_dims
         _check_writes(self.signature)
-        if output_dims is not None:  # fail now, not at the first call
-            _resolve_output_shapes(self.signature, output_dims, self.launch_dims or (1,))
+        if self.output_dims is not None:  # fail now, not at the first call
+            _resolve_output_shapes(self.signature, self.output_dims, self.launch_dims or (1,))
 
     def __repr__(self) -> str:
         sig = self.signature
@@ -312,21 +335,13 @@ def jax_kernel(
             ``wp.launch`` with ``block_dim``); default: 256 on CUDA, 1 on the CPU. On the CPU values above one
             are honoured when ``wp.config.enable_cpu_blocks`` is True.
     """
-    key = (
-        kernel, num_outputs, vmap_method, _hashable(launch_dims), _hashable(output_dims),
-        tuple(in_out_argnames) if in_out_argnames else None, module_preload_mode,
-        True if enable_backward is None else bool(enable_backward), bool(has_side_effect), block_dim,
-        # an explicit block_dim means more than one CPU thread per block only with CPU blocks on
-        bool(wp.config.enable_cpu_blocks) if block_dim is not None else None,
-    )
-    try:
-        hash(key)
-    except TypeError:
-        key = None
+    options = _KernelOptions(num_outputs, vmap_method, launch_dims, output_dims, tuple(in_out_argnames or ()),
+                             module_preload_mode, True if enable_backward is None else bool(enable_backward),
+                             bool(has_side_effect), _check_block_dim(block_dim))
+    key = options.cache_key(kernel)
     wrapper = _WRAPPERS.get(key) if key is not None else None
     if wrapper is None or wrapper.kernel is not kernel:
-        wrapper = WarpKernel(kernel, num_outputs, vmap_method, launch_dims, output_dims, in_out_argnames,
-                             module_preload_mode, enable_backward, has_side_effect, block_dim)
+        wrapper = WarpKernel(kernel, options)
         if key is not None:
             _WRAPPERS[key] = wrapper
     return wrapper
