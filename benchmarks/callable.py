@@ -20,38 +20,14 @@ import numpy as np
 import warp as wp
 
 import warpnn
+from tests.kernels_for_tests import springs_function
 
 from .common import environment, fmt_ratio, fmt_us, time_interleaved
 
 
-@wp.kernel
-def _tension(x: wp.array(dtype=float), k: wp.array(dtype=float), pairs: wp.array2d(dtype=wp.int32),
-             rest: float, t: wp.array(dtype=float)):
-    s = wp.tid()
-    t[s] = k[s] * (x[pairs[s, 1]] - x[pairs[s, 0]] - rest)
-
-
-@wp.kernel
-def _scatter(t: wp.array(dtype=float), pairs: wp.array2d(dtype=wp.int32), f: wp.array(dtype=float)):
-    s = wp.tid()
-    wp.atomic_add(f, pairs[s, 0], t[s])
-    wp.atomic_sub(f, pairs[s, 1], t[s])
-
-
-@wp.kernel
-def _energy(x: wp.array(dtype=float), f: wp.array(dtype=float), e: wp.array(dtype=float)):
-    i = wp.tid()
-    wp.atomic_add(e, 0, wp.sin(x[i]) * f[i] * f[i])
-
-
-def springs(x: wp.array(dtype=float), k: wp.array(dtype=float), pairs: wp.array2d(dtype=wp.int32), rest: float,
-            f: wp.array(dtype=float), e: wp.array(dtype=float)):
-    f.zero_()
-    e.zero_()
-    t = wp.zeros(k.shape, dtype=float, device=k.device, requires_grad=True)
-    wp.launch(_tension, dim=k.shape, inputs=[x, k, pairs, rest], outputs=[t])
-    wp.launch(_scatter, dim=k.shape, inputs=[t, pairs], outputs=[f])
-    wp.launch(_energy, dim=x.shape, inputs=[x, f], outputs=[e])
+# The spring function and its kernels are the test suite's (tests/test_callable.py checks it in float64):
+# one definition, timed here in float32. Run from the repository root.
+springs = springs_function(wp.float32)
 
 
 def _problem(n: int):

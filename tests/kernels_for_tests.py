@@ -1,5 +1,8 @@
 """Small Warp kernels covering the shapes a bridge must get right, each with a pure-JAX reference."""
 
+import functools
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import warp as wp
@@ -154,3 +157,65 @@ def spring_forces_fn():
         return out
 
     return forces
+
+
+# --------------------------------------------------------------------------------------------------
+# A multi-kernel Warp function for warpnn.jax_callable: springs gather positions into an intermediate, scatter
+# it into forces, and an energy reads those forces back (a later kernel reading an earlier output). Generic
+# kernels with one overload per float type: float64 for the tests' finite differences, float32 for
+# benchmarks.callable, which times this same function.
+
+
+@wp.kernel
+def _spring_tension(x: wp.array(dtype=Any), k: wp.array(dtype=Any), pairs: wp.array2d(dtype=wp.int32), rest: Any,
+                    t: wp.array(dtype=Any)):
+    s = wp.tid()
+    t[s] = k[s] * (x[pairs[s, 1]] - x[pairs[s, 0]] - rest)
+
+
+@wp.kernel
+def _spring_scatter(t: wp.array(dtype=Any), pairs: wp.array2d(dtype=wp.int32), f: wp.array(dtype=Any)):
+    s = wp.tid()
+    wp.atomic_add(f, pairs[s, 0], t[s])
+    wp.atomic_sub(f, pairs[s, 1], t[s])
+
+
+@wp.kernel
+def _spring_energy(x: wp.array(dtype=Any), f: wp.array(dtype=Any), e: wp.array(dtype=Any)):
+    i = wp.tid()
+    wp.atomic_add(e, 0, wp.sin(x[i]) * f[i] * f[i])
+
+
+@functools.cache
+def spring_kernels(dtype) -> tuple[wp.Kernel, wp.Kernel, wp.Kernel]:
+    """The tension, scatter and energy kernels for float type ``dtype`` (concrete overloads: no type inference
+    at launch)."""
+    a, pairs = wp.array(dtype=dtype), wp.array2d(dtype=wp.int32)
+    return (wp.overload(_spring_tension, [a, a, pairs, dtype, a]), wp.overload(_spring_scatter, [a, pairs, a]),
+            wp.overload(_spring_energy, [a, a, a]))
+
+
+@functools.cache
+def springs_function(dtype):
+    """``springs(x, k, pairs, rest, f, e)`` for float type ``dtype``: the three kernels launched in turn, their
+    intermediate tension array differentiable (``requires_grad``), as wp.Tape needs it."""
+    tension, scatter, energy = spring_kernels(dtype)
+
+    def springs(x: wp.array(dtype=dtype), k: wp.array(dtype=dtype), pairs: wp.array2d(dtype=wp.int32), rest: dtype,
+                f: wp.array(dtype=dtype), e: wp.array(dtype=dtype)):
+        f.zero_()
+        e.zero_()
+        t = wp.zeros(k.shape, dtype=dtype, device=k.device, requires_grad=True)
+        wp.launch(tension, dim=k.shape, inputs=[x, k, pairs, rest], outputs=[t])
+        wp.launch(scatter, dim=k.shape, inputs=[t, pairs], outputs=[f])
+        wp.launch(energy, dim=x.shape, inputs=[x, f], outputs=[e])
+
+    springs.__name__ = springs.__qualname__ = f"springs_{dtype.__name__}"
+    return springs
+
+
+def springs_ref(x, k, pairs, rest):
+    """``springs``'s results ``(f, e)`` in pure JAX."""
+    t = k * (x[pairs[:, 1]] - x[pairs[:, 0]] - rest)
+    f = jnp.zeros_like(x).at[pairs[:, 0]].add(t).at[pairs[:, 1]].add(-t)
+    return f, jnp.sum(jnp.sin(x) * f * f)[None]

@@ -17,49 +17,17 @@ import pytest
 import warp as wp
 
 import warpnn
+from tests import kernels_for_tests as K
 from tests.helpers import assert_close
 
 f64 = wp.float64
 
-# --------------------------------------------------------------------------------------------------
-# A multi-kernel function: springs gather positions into an intermediate, scatter it into forces, and
-# an energy reads those forces back (a later kernel reading an earlier output).
+# A multi-kernel function (tests/kernels_for_tests.py): springs gather positions into an intermediate, scatter
+# it into forces, and an energy reads those forces back (a later kernel reading an earlier output).
 
-
-@wp.kernel
-def _spring_tension(x: wp.array(dtype=f64), k: wp.array(dtype=f64), pairs: wp.array2d(dtype=wp.int32),
-                    rest: f64, t: wp.array(dtype=f64)):
-    s = wp.tid()
-    t[s] = k[s] * (x[pairs[s, 1]] - x[pairs[s, 0]] - rest)
-
-
-@wp.kernel
-def _spring_scatter(t: wp.array(dtype=f64), pairs: wp.array2d(dtype=wp.int32), f: wp.array(dtype=f64)):
-    s = wp.tid()
-    wp.atomic_add(f, pairs[s, 0], t[s])
-    wp.atomic_sub(f, pairs[s, 1], t[s])
-
-
-@wp.kernel
-def _energy(x: wp.array(dtype=f64), f: wp.array(dtype=f64), e: wp.array(dtype=f64)):
-    i = wp.tid()
-    wp.atomic_add(e, 0, wp.sin(x[i]) * f[i] * f[i])
-
-
-def springs(x: wp.array(dtype=f64), k: wp.array(dtype=f64), pairs: wp.array2d(dtype=wp.int32), rest: f64,
-            f: wp.array(dtype=f64), e: wp.array(dtype=f64)):
-    f.zero_()
-    e.zero_()
-    t = wp.zeros(k.shape, dtype=f64, device=k.device, requires_grad=True)
-    wp.launch(_spring_tension, dim=k.shape, inputs=[x, k, pairs, rest], outputs=[t])
-    wp.launch(_spring_scatter, dim=k.shape, inputs=[t, pairs], outputs=[f])
-    wp.launch(_energy, dim=x.shape, inputs=[x, f], outputs=[e])
-
-
-def springs_reference(x, k, pairs, rest):
-    t = k * (x[pairs[:, 1]] - x[pairs[:, 0]] - rest)
-    f = jnp.zeros_like(x).at[pairs[:, 0]].add(t).at[pairs[:, 1]].add(-t)
-    return f, jnp.sum(jnp.sin(x) * f * f)[None]
+springs = K.springs_function(f64)
+_spring_tension, _spring_scatter, _energy = K.spring_kernels(f64)
+springs_reference = K.springs_ref
 
 
 def _spring_problem(n=6):
