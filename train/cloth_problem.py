@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -13,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from warpnn_models.cloth import Cloth, ClothGrid, make_cloth_grid
+from warpnn_models.cloth import SPRING_KINDS, Cloth, ClothGrid, make_cloth_grid
 
 from . import common
+
+CHECKPOINT = "checkpoint.eqx"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +88,16 @@ def relative_errors(theta, config: SysIdConfig) -> dict[str, np.ndarray]:
     }
 
 
+def error_metrics(theta, config: SysIdConfig) -> dict[str, Any]:
+    """metrics.json's parameter errors: the largest relative error and each one by parameter and material."""
+    errors = relative_errors(theta, config)
+    return {
+        "max_rel_error": float(max(errors["stiffness"].max(), errors["damping"].max())),
+        "rel_error": {f"{name}_{kind}": float(errors[name][m]) for name in ("stiffness", "damping")
+                      for m, kind in enumerate(SPRING_KINDS)},
+    }
+
+
 def make_optimizer(config: SysIdConfig, steps: int) -> optax.GradientTransformation:
     """Adam on the log-parameters with a cosine-decayed learning rate over ``steps`` steps."""
     return optax.adam(optax.cosine_decay_schedule(config.lr, max(steps, 1), alpha=0.01))
@@ -118,6 +132,38 @@ def load_checkpoint(path, like_cloth: Cloth, config: SysIdConfig = SysIdConfig()
     like = checkpoint_tree(like_cloth, theta, optimizer.init(theta), 0, [], [], config.steps)
     with open(path, "rb") as f:
         return eqx.tree_deserialise_leaves(f, like)
+
+
+def fit_start(config: SysIdConfig, optimizer: optax.GradientTransformation, resume_from: dict | None):
+    """Where a fit starts: ``(theta, opt_state, start, losses, trail)``, from the initial guess or from the
+    checkpoint ``resume_from`` (its parameters, optimiser state, step, losses and parameter history)."""
+    if resume_from is None:
+        theta = initial_theta(config)
+        return theta, optimizer.init(theta), 0, [], [theta]
+    start = int(resume_from["step"])
+    return (resume_from["theta"], resume_from["opt_state"], start, common.losses_list(resume_from["losses"], start),
+            trail_rows(resume_from))
+
+
+def fit_in(out: common.RunDir, task, fit: Callable[..., dict[str, Any]]) -> tuple[dict[str, Any], dict | None]:
+    """Fit in the run folder ``out``: resume from its checkpoint under ``--resume``, checkpoint there as
+    ``--checkpoint-every`` and ``--stop-after`` say, and write the final checkpoint after ``config.steps``.
+
+    ``fit(resume_from=, save=, checkpoint_every=, stop_after=)`` is the task's fit with ``task`` bound.
+    Returns its result, with ``theta`` and ``opt_state`` on the host, and the checkpoint it resumed from (None
+    for a fresh run).
+    """
+    config = task.config
+    resume_from = load_checkpoint(out / CHECKPOINT, task.true_cloth, config) if out.resume else None
+
+    def save(tree: dict) -> None:
+        common.atomic_write_bytes(out / CHECKPOINT, checkpoint_bytes(tree))
+
+    result = fit(resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every, stop_after=out.stop_after)
+    result["theta"], result["opt_state"] = jax.device_get((result["theta"], result["opt_state"]))
+    save(checkpoint_tree(with_log_params(task.true_cloth, result["theta"]), result["theta"], result["opt_state"],
+                         config.steps, result["losses"], result["trail"], config.steps))
+    return result, resume_from
 
 
 def trail_rows(checkpoint: dict) -> list[dict[str, jax.Array]]:

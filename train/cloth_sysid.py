@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -27,10 +28,14 @@ from warpnn_models.cloth import SPRING_KINDS, Cloth, ClothGrid
 
 from . import common, data_parallel
 from .cloth_problem import (  # noqa: F401 - also this task's public names, as before the split
+    CHECKPOINT,
     SysIdConfig,
     checkpoint_bytes,
     checkpoint_tree,
     data_scales,
+    error_metrics,
+    fit_in,
+    fit_start,
     initial_theta,
     load_checkpoint,
     make_optimizer,
@@ -40,8 +45,6 @@ from .cloth_problem import (  # noqa: F401 - also this task's public names, as b
     trajectory_error,
     with_log_params,
 )
-
-CHECKPOINT = "checkpoint.eqx"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,13 +150,7 @@ def fit(
         updates, opt_state = optimizer.update(grads, opt_state, theta)
         return optax.apply_updates(theta, updates), opt_state, value
 
-    if resume_from is None:
-        theta, start, losses = initial_theta(config), 0, []
-        opt_state = optimizer.init(theta)
-        trail = [theta]
-    else:
-        theta, opt_state, start = resume_from["theta"], resume_from["opt_state"], int(resume_from["step"])
-        losses, trail = common.losses_list(resume_from["losses"], start), trail_rows(resume_from)
+    theta, opt_state, start, losses, trail = fit_start(config, optimizer, resume_from)
 
     def step(state):
         theta, opt_state = state
@@ -189,16 +186,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = common.run_dir(args, config)
     t0 = time.perf_counter()
     task = make_task(config, seed=args.seed)
-    resume_from = load_checkpoint(out / CHECKPOINT, task.true_cloth, config) if out.resume else None
-    save = lambda tree: common.atomic_write_bytes(out / CHECKPOINT, checkpoint_bytes(tree))  # noqa: E731
-    result = fit(task, resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every,
-                 stop_after=out.stop_after)
+    result, resume_from = fit_in(out, task, functools.partial(fit, task))
     theta = result["theta"]
     fitted = with_log_params(task.true_cloth, theta)
-    save(checkpoint_tree(fitted, theta, result["opt_state"], config.steps, result["losses"], result["trail"],
-                         config.steps))
 
-    errors = relative_errors(theta, config)
     guess = with_log_params(task.true_cloth, initial_theta(config))
     xs_guess, _ = simulate(guess, task.x0, task.v0, config.frames)
     xs_fit, _ = simulate(fitted, task.x0, task.v0, config.frames)
@@ -210,9 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "initial_loss": result["losses"][0],
         "final_loss": result["losses"][-1],
-        "max_rel_error": float(max(errors["stiffness"].max(), errors["damping"].max())),
-        "rel_error": {f"{name}_{kind}": float(errors[name][m]) for name in ("stiffness", "damping")
-                      for m, kind in enumerate(SPRING_KINDS)},
+        **error_metrics(theta, config),
         "fitted": {"stiffness": fitted_stiffness, "damping": fitted_damping},
         "true": {"stiffness": config.true_stiffness, "damping": config.true_damping},
         "final_position_rmse": float(jnp.sqrt(jnp.mean(jnp.sum((xs_fit - task.xs_obs) ** 2, -1)))),

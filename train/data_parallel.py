@@ -26,25 +26,22 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from warpnn_models.cloth import SPRING_KINDS, Cloth, ClothGrid
+from warpnn_models.cloth import Cloth, ClothGrid
 
 from . import common
 from .cloth_problem import (
+    CHECKPOINT,  # noqa: F401 - this task's checkpoint file, as before the fit was shared
     SysIdConfig,
-    checkpoint_bytes,
     checkpoint_tree,
     data_scales,
-    initial_theta,
-    load_checkpoint,
+    error_metrics,
+    fit_in,
+    fit_start,
     make_optimizer,
     make_scene,
-    relative_errors,
-    trail_rows,
     trajectory_error,
     with_log_params,
 )
-
-CHECKPOINT = "checkpoint.eqx"
 
 AXIS = "data"
 
@@ -161,13 +158,7 @@ def fit(task: BatchedTask, mesh: Mesh, steps: int, progress: bool = True, *, res
     optimizer = make_optimizer(config, steps)
     update = make_update(task, optimizer)
     data = shard_batch(mesh, (task.v0, task.xs_obs, task.vs_obs))
-    if resume_from is None:
-        theta, start, losses = initial_theta(config), 0, []
-        opt_state = optimizer.init(theta)
-        trail = [theta]
-    else:
-        theta, opt_state, start = resume_from["theta"], resume_from["opt_state"], int(resume_from["step"])
-        losses, trail = common.losses_list(resume_from["losses"], start), trail_rows(resume_from)
+    theta, opt_state, start, losses, trail = fit_start(config, optimizer, resume_from)
 
     def step(state):
         theta, opt_state = state
@@ -210,15 +201,7 @@ def run(args: argparse.Namespace, config: SysIdConfig) -> dict[str, Any]:
     if args.cloths_per_device < 1:
         raise ValueError(f"--cloths-per-device must be >= 1, got {args.cloths_per_device}.")
     task = make_batched_task(config, args.cloths_per_device * mesh.size, seed=args.seed, mesh=mesh)
-    resume_from = load_checkpoint(out / CHECKPOINT, task.true_cloth, config) if out.resume else None
-    save = lambda tree: common.atomic_write_bytes(out / CHECKPOINT, checkpoint_bytes(tree))  # noqa: E731
-    result = fit(task, mesh, config.steps, resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every,
-                 stop_after=out.stop_after)
-    theta = jax.device_get(result["theta"])
-    fitted = with_log_params(task.true_cloth, theta)
-    save(checkpoint_tree(fitted, theta, jax.device_get(result["opt_state"]), config.steps, result["losses"],
-                         result["trail"], config.steps))
-    errors = relative_errors(theta, config)
+    result, resume_from = fit_in(out, task, functools.partial(fit, task, mesh, config.steps))
     metrics = {
         "task": "cloth_sysid_data_parallel",
         "config": dataclasses.asdict(config),
@@ -229,9 +212,7 @@ def run(args: argparse.Namespace, config: SysIdConfig) -> dict[str, Any]:
         "cloths_per_device": args.cloths_per_device,
         "initial_loss": result["losses"][0],
         "final_loss": result["losses"][-1],
-        "max_rel_error": float(max(errors["stiffness"].max(), errors["damping"].max())),
-        "rel_error": {f"{name}_{kind}": float(errors[name][m]) for name in ("stiffness", "damping")
-                      for m, kind in enumerate(SPRING_KINDS)},
+        **error_metrics(result["theta"], config),
         "steps": config.steps,
         "resumed_from_step": int(resume_from["step"]) if resume_from is not None else None,
         "steps_per_s": result["steps_per_s"],
