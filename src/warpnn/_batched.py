@@ -27,7 +27,13 @@ extra coordinate doubles the cost per element, a batch keeps the kernel's per-el
 over the CPU threads (``warpnn_ffi.c``); ``WARPNN_BATCHED_LAUNCH=twin`` forces the twin there too.
 
 The *row twin* (``twin_of(kernel, batched=False)``) is the kernel itself with an offset on its first
-``wp.tid()`` coordinate: the CPU handler cuts one big launch into row slices for its threads with it.
+``wp.tid()`` coordinate: the CPU handler cuts one big launch into row slices for its threads with it. For a
+kernel of rank 2 or more it is also a *row-loop twin*: it launches over all dims but the last and loops over
+that one itself (``for warpnn_t1 in range(warpnn_inner)``, the kernel's ``return`` becoming ``continue``),
+because Warp's CPU entry unravels every thread's coordinates from a linear index with one 64-bit division per
+dim, which is about half the time of a small kernel (``python -m benchmarks.cpu_codegen``). CPU launches over
+2+ dims run it even on one thread; the forward visits elements in the launch's order (bitwise the kernel's
+results), the adjoint in the reverse order (gradients that several elements accumulate agree to rounding).
 
 The two trailing ``int`` parameters let a launch cover a slice: ``warpnn_first_batch`` offsets the batch
 index and ``warpnn_first_row`` the first ``wp.tid()`` coordinate, so the native CPU handler can split one
