@@ -26,24 +26,26 @@ from .heat import C, heat_step
 wp.config.quiet = True
 
 
+@wp.func
+def _neighbours(i: int, n: int):
+    """The periodic neighbours of ``i`` in ``[0, n)``, with branches (no modulo), as ``heat_step`` finds them."""
+    up = i + 1
+    if up == n:
+        up = 0
+    down = i - 1
+    if down < 0:
+        down = n - 1
+    return up, down
+
+
 @wp.kernel
 def heat_step_flat(u: wp.array(dtype=float), alpha: wp.array(dtype=float), c: float, n: int, m: int,
                    out: wp.array(dtype=float)):
     t = wp.tid()
     i = t // m
     j = t - i * m
-    ip = i + 1
-    if ip == n:
-        ip = 0
-    im = i - 1
-    if im < 0:
-        im = n - 1
-    jp = j + 1
-    if jp == m:
-        jp = 0
-    jm = j - 1
-    if jm < 0:
-        jm = m - 1
+    ip, im = _neighbours(i, n)
+    jp, jm = _neighbours(j, m)
     lap = u[ip * m + j] + u[im * m + j] + u[i * m + jp] + u[i * m + jm] - 4.0 * u[t]
     out[t] = u[t] + alpha[0] * c * lap
 
@@ -51,21 +53,10 @@ def heat_step_flat(u: wp.array(dtype=float), alpha: wp.array(dtype=float), c: fl
 @wp.kernel
 def heat_step_rows(u: wp.array2d(dtype=float), alpha: wp.array(dtype=float), c: float, out: wp.array2d(dtype=float)):
     i = wp.tid()
-    n = u.shape[0]
     m = u.shape[1]
-    ip = i + 1
-    if ip == n:
-        ip = 0
-    im = i - 1
-    if im < 0:
-        im = n - 1
+    ip, im = _neighbours(i, u.shape[0])
     for j in range(m):
-        jp = j + 1
-        if jp == m:
-            jp = 0
-        jm = j - 1
-        if jm < 0:
-            jm = m - 1
+        jp, jm = _neighbours(j, m)
         lap = u[ip, j] + u[im, j] + u[i, jp] + u[i, jm] - 4.0 * u[i, j]
         out[i, j] = u[i, j] + alpha[0] * c * lap
 
