@@ -177,11 +177,13 @@ class _TidReplacer(ast.NodeTransformer):
 
     def visit_Assign(self, node: ast.Assign):
         # `i, j = wp.tid()` becomes `i = warpnn_t0; j = warpnn_t1` (one name per coordinate).
-        if _is_tid_call(node.value) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple):
+        call = node.value
+        if (isinstance(call, ast.Call) and _is_tid_call(call) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Tuple)):
             targets = node.targets[0].elts
             if len(targets) != self.kernel_dim or not all(isinstance(t, ast.Name) for t in targets):
                 raise _Refused("its wp.tid() is unpacked into something other than one name per launch dim")
-            if node.value.args or node.value.keywords:
+            if call.args or call.keywords:
                 raise _Refused("it calls wp.tid() with arguments")
             return [ast.copy_location(ast.Assign(targets=[t], value=v), node) for t, v in zip(targets, self._names())]
         return self.generic_visit(node)
@@ -564,8 +566,9 @@ class NativeTwins:
     def __init__(self, lib, launcher):
         self._lib = lib
         self._launcher = launcher
-        self._reasons: dict[int, str | None] = {}  # kernel id -> None (registered) or why there is no twin
-        self._execs: dict[tuple[int, str], Any] = {}  # keeps each twin's loaded code alive
+        # (kernel id, batched) -> None (registered) or why there is no twin
+        self._reasons: dict[tuple[int, bool], str | None] = {}
+        self._execs: dict[tuple[int, str, bool], Any] = {}  # (kernel id, device, batched): keeps twin code alive
         self.set_cpu_threads(*cpu_thread_config())
 
     def set_cpu_threads(self, threads: int, min_work: int | None = None) -> None:
@@ -637,7 +640,7 @@ class NativeTwins:
         if any(getattr(original, n).offset != getattr(extended, n).offset for n, _ in fields):
             raise RuntimeError("the twin's argument struct does not extend the kernel's")
         kernel = twin.kernel
-        bounds_type = type(wc.build_launch_bounds((1,) * kernel.adj.kernel_dim, kernel))
+        bounds_type: Any = type(wc.build_launch_bounds((1,) * kernel.adj.kernel_dim, kernel))  # a ctypes struct
         try:
             tid_limit = kernel.module._get_kernel_tid_extent_limit(kernel)
         except Exception:  # noqa: BLE001 - private Warp API: the conservative candidate
