@@ -373,3 +373,88 @@ def test_threaded_vmapped_batch_splits_by_element(cpu_threads):
     single, threaded, n = _threaded_and_single(cpu_threads, run)
     assert n == 2
     np.testing.assert_array_equal(threaded, single)  # batch elements are independent: no reduction
+
+
+# --------------------------------------------------------------------------------------------------
+# The row-loop twin: a CPU launch over 2+ dims loops over its last dim inside the kernel
+
+
+@wp.kernel
+def masked_square_sum(x: wp.array2d(dtype=float), w: wp.array(dtype=float), y: wp.array2d(dtype=float),
+                      s: wp.array(dtype=float)):
+    i, j = wp.tid()
+    if x[i, j] < 0.0:
+        return  # becomes the row loop's `continue`
+    v = x[i, j] * w[j]
+    y[i, j] = v * v
+    wp.atomic_add(s, 0, v)
+
+
+def masked_square_sum_ref(x, w):
+    v = jnp.where(x < 0.0, 0.0, x * w[None, :])
+    return v * v, jnp.sum(v)[None]
+
+
+@wp.kernel
+def ramp_3d(x: wp.array3d(dtype=float), y: wp.array3d(dtype=float)):
+    i, j, k = wp.tid()
+    y[i, j, k] = 2.0 * x[i, j, k] * x[i, j, k] + float(k)
+
+
+@wp.kernel
+def returns_in_a_loop(x: wp.array2d(dtype=float), y: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    for k in range(3):
+        if x[i, j] > float(k):
+            return  # leaves the thread from inside a loop: no `continue` can say that
+    y[i, j] = x[i, j]
+
+
+def _row_loop_cases():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(5))
+    heat, masked, ramp = (warpnn.jax_kernel(heat_step), warpnn.jax_kernel(masked_square_sum, num_outputs=2),
+                          warpnn.jax_kernel(ramp_3d))
+    u, alpha = jax.random.normal(k1, (19, 23)), jnp.array([0.7])
+    x, w = jax.random.normal(k2, (13, 11)), jnp.linspace(-1.0, 2.0, 11)
+    v = jax.random.normal(k1, (3, 5, 7))
+    ramp_ref = lambda v: 2.0 * v * v + jnp.arange(7.0)  # noqa: E731
+    return {  # kernel, forward, its pure-JAX reference, arguments (every one differentiated)
+        "heat_2d": (heat_step, lambda u, a: heat(u, a, 0.2)[0], lambda u, a: heat_step_ref(u, a, 0.2), (u, alpha)),
+        "early_return_and_atomics_2d": (
+            masked_square_sum, lambda x, w: tuple(masked(x, w, output_dims={"y": x.shape, "s": 1})), masked_square_sum_ref, (x, w)),
+        "3d": (ramp_3d, lambda v: ramp(v)[0], ramp_ref, (v,)),
+    }
+
+
+@native
+@pytest.mark.parametrize("case", sorted(_row_loop_cases()))
+def test_row_loop_twin_matches_the_kernel_and_pure_jax(cpu_threads, monkeypatch, case):
+    kernel, forward, reference, args = _row_loop_cases()[case]
+    assert _batched.twin_of(kernel, False).inner_loop
+    argnums = tuple(range(len(args)))
+    loss = lambda f: lambda *a: sum(jnp.sum(jnp.sin(o)) for o in jax.tree.leaves(f(*a)))  # noqa: E731
+
+    def run():
+        lowered = jax.jit(forward).lower(*args)
+        values = jax.jit(forward)(*args), jax.jit(jax.grad(loss(forward), argnums=argnums))(*args)
+        return "twin_launch" in lowered.as_text(), jax.tree.map(np.asarray, values)
+
+    cpu_threads(1)  # one thread: the loop alone, not the thread split
+    looped, (fwd_loop, grad_loop) = run()
+    monkeypatch.setenv(_batched.BATCHED_ENV, "0")  # the kernel itself
+    jax.clear_caches()
+    plain, (fwd_plain, grad_plain) = run()
+    assert looped and not plain
+    # The loop visits elements in the launch's order: the forward is bitwise the kernel's. The adjoint loop runs
+    # backwards, so gradients accumulated by several elements (heat's neighbours, masked's w) add in another order.
+    jax.tree.map(np.testing.assert_array_equal, fwd_loop, fwd_plain)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-6, atol=1e-6), grad_loop, grad_plain)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-5, atol=1e-5), fwd_loop, reference(*args))
+    grad_ref = jax.grad(loss(reference), argnums=argnums)(*args)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-4, atol=1e-4), grad_loop, grad_ref)
+
+
+def test_row_loop_needs_every_return_outside_loops():
+    twin = _batched.twin_of(returns_in_a_loop, False)
+    assert isinstance(twin, _batched.Twin) and not twin.inner_loop  # the plain row twin (thread slices) remains
+    assert not _batched.twin_of(scale_square, False).inner_loop  # a 1-D launch has no inner dim to loop over

@@ -496,9 +496,57 @@ def store_after_early_return(x: wp.array(dtype=float), y: wp.array(dtype=float))
     y[i] = x[i]
 
 
+@wp.kernel
+def newton_style_integrate(x: wp.array(dtype=float), active: wp.array(dtype=wp.int32), x_new: wp.array(dtype=float),
+                           v_new: wp.array(dtype=float)):
+    # Newton's integrate_particles: an inactive particle stores its position and returns (its velocity is left
+    # as it was); an active one stores both at the end.
+    tid = wp.tid()
+    x0 = x[tid]
+    if active[tid] == 0:
+        x_new[tid] = x0
+        return
+    v1 = 2.0 * x0
+    x_new[tid] = x0 + v1
+    v_new[tid] = v1
+
+
+@wp.kernel
+def store_in_both_branches(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    if x[i] > 0.0:
+        y[i] = x[i]
+    elif x[i] < -1.0:
+        y[i] = -x[i]
+    else:
+        y[i] = 0.5
+
+
+@wp.kernel
+def store_in_a_loop(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    for k in range(1):
+        y[i] = x[i] + float(k)
+
+
+@wp.kernel
+def return_before_store_in_a_branch(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    if x[i] > 0.0:
+        if x[i] > 1.0:
+            return
+        y[i] = x[i]
+        return
+    y[i] = -x[i]
+
+
 @pytest.mark.parametrize(
     "kernel, num_outputs, written",
     [
+        (newton_style_integrate, 2, ("x_new",)),  # v_new is not stored on the early-return path
+        (store_in_both_branches, 1, ("y",)),
+        (store_in_a_loop, 1, ()),
+        (return_before_store_in_a_branch, 1, ()),
         (K.scale_square, 1, ("y",)),
         (K.affine_2d, 1, ("out",)),
         (K.two_outputs, 2, ("y",)),  # `total` accumulates: it must be zeroed
@@ -510,6 +558,18 @@ def store_after_early_return(x: wp.array(dtype=float), y: wp.array(dtype=float))
 )
 def test_outputs_fully_written_analysis(kernel, num_outputs, written):
     assert warpnn.jax_kernel(kernel, num_outputs=num_outputs).signature.outputs_fully_written == written
+
+
+def test_outputs_written_on_every_path_need_no_zeroing_and_the_others_still_get_it():
+    f = warpnn.jax_kernel(newton_style_integrate, num_outputs=2)
+    x = jnp.array([1.0, -2.0, 3.0, -4.0])
+    active = jnp.array([1, 0, 1, 0], dtype=jnp.int32)
+    for _ in range(3):  # later calls reuse buffers that held earlier values
+        x_new, v_new = jax.jit(lambda x, a: f(x, a))(x, active)
+        assert_close(x_new, jnp.where(active == 1, 3.0 * x, x), 0, 0)
+        assert_close(v_new, jnp.where(active == 1, 2.0 * x, 0.0), 0, 0)
+    g = warpnn.jax_kernel(store_in_both_branches)
+    assert_close(g(x)[0], jnp.where(x > 0, x, jnp.where(x < -1.0, -x, 0.5)), 0, 0)
 
 
 def test_conditionally_written_output_is_zero_where_not_written():

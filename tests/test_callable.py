@@ -244,7 +244,10 @@ def test_vmap_methods_match_per_element_runs_forward_and_gradient(x64, vmap_meth
 
 def test_sequential_vmap_of_a_scatter_matches_per_element_runs(x64):
     x, k, pairs, wf, we = _spring_problem()
-    fn = warpnn.jax_callable(springs, num_outputs=2, vmap_method="sequential")
+    # `springs` allocates an intermediate: under XLA's graph of the sequential loop that is a memory node in a
+    # nested graph, which CUDA refuses (docs/callable.md), so on a GPU this runs without graph capture.
+    mode = wp.JaxCallableGraphMode.JAX if jax.default_backend() == "cpu" else wp.JaxCallableGraphMode.NONE
+    fn = warpnn.jax_callable(springs, num_outputs=2, vmap_method="sequential", graph_mode=mode)
     call = functools.partial(fn, output_dims={"f": len(x), "e": 1})
     xs = jnp.stack([x, 1.1 * x, 0.9 * x + 0.2])
 

@@ -27,7 +27,13 @@ extra coordinate doubles the cost per element, a batch keeps the kernel's per-el
 over the CPU threads (``warpnn_ffi.c``); ``WARPNN_BATCHED_LAUNCH=twin`` forces the twin there too.
 
 The *row twin* (``twin_of(kernel, batched=False)``) is the kernel itself with an offset on its first
-``wp.tid()`` coordinate: the CPU handler cuts one big launch into row slices for its threads with it.
+``wp.tid()`` coordinate: the CPU handler cuts one big launch into row slices for its threads with it. For a
+kernel of rank 2 or more it is also a *row-loop twin*: it launches over all dims but the last and loops over
+that one itself (``for warpnn_t1 in range(warpnn_inner)``, the kernel's ``return`` becoming ``continue``),
+because Warp's CPU entry unravels every thread's coordinates from a linear index with one 64-bit division per
+dim, which is about half the time of a small kernel (``python -m benchmarks.cpu_codegen``). CPU launches over
+2+ dims run it even on one thread; the forward visits elements in the launch's order (bitwise the kernel's
+results), the adjoint in the reverse order (gradients that several elements accumulate agree to rounding).
 
 The two trailing ``int`` parameters let a launch cover a slice: ``warpnn_first_batch`` offsets the batch
 index and ``warpnn_first_row`` the first ``wp.tid()`` coordinate, so the native CPU handler can split one
@@ -68,6 +74,7 @@ from . import _warp_compat as wc
 BATCH_PREFIX = "warpnn_"
 FIRST_BATCH = "warpnn_first_batch"
 FIRST_ROW = "warpnn_first_row"
+INNER = "warpnn_inner"  # the row-loop twin's extent of the last launch dim, which it loops over itself
 _ARRAY_SUFFIX = "__warpnn_b"
 _MAX_DIMS = 4
 BATCHED_ENV = "WARPNN_BATCHED_LAUNCH"  # "0": always launch per batch element
@@ -86,7 +93,8 @@ class Twin:
 
     kernel: Any  # wp.Kernel
     kernel_dim: int  # the original kernel's wp.tid() rank; the batched twin's is one more
-    batched: bool = True  # False: the row twin (same rank, first coordinate offset by warpnn_first_row)
+    batched: bool = True  # False: the row twin (first coordinate offset by warpnn_first_row)
+    inner_loop: bool = False  # the row twin loops over the last launch dim itself (its rank is one less)
 
     @property
     def module(self):
@@ -169,11 +177,13 @@ class _TidReplacer(ast.NodeTransformer):
 
     def visit_Assign(self, node: ast.Assign):
         # `i, j = wp.tid()` becomes `i = warpnn_t0; j = warpnn_t1` (one name per coordinate).
-        if _is_tid_call(node.value) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple):
+        call = node.value
+        if (isinstance(call, ast.Call) and _is_tid_call(call) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Tuple)):
             targets = node.targets[0].elts
             if len(targets) != self.kernel_dim or not all(isinstance(t, ast.Name) for t in targets):
                 raise _Refused("its wp.tid() is unpacked into something other than one name per launch dim")
-            if node.value.args or node.value.keywords:
+            if call.args or call.keywords:
                 raise _Refused("it calls wp.tid() with arguments")
             return [ast.copy_location(ast.Assign(targets=[t], value=v), node) for t, v in zip(targets, self._names())]
         return self.generic_visit(node)
@@ -310,19 +320,29 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
     for stmt in body:
         flat_body.extend(stmt if isinstance(stmt, list) else [stmt])
 
-    coords = ", ".join(f"{BATCH_PREFIX}r{k}" if k == 0 else f"{BATCH_PREFIX}t{k}" for k in range(kernel_dim))
+    # The row twin of a kernel of rank >= 2 loops over its last launch dim itself: Warp's CPU code unravels
+    # every thread's coordinates from one linear index with a 64-bit division per dim, about half the cost of
+    # a small kernel such as a stencil (benchmarks/cpu_codegen.py); a loop has none. `return` becomes `continue`.
+    inner_loop = not batched and kernel_dim >= 2 and _returns_only_at_top(flat_body)
+    launched = kernel_dim - inner_loop
+    coords = ", ".join(f"{BATCH_PREFIX}r{k}" if k == 0 else f"{BATCH_PREFIX}t{k}" for k in range(launched))
     prologue = [
         f"{BATCH_PREFIX}bl, {coords} = {BATCH_PREFIX}wp.tid()" if batched else f"{coords} = {BATCH_PREFIX}wp.tid()",
         *([f"{BATCH_PREFIX}b = {BATCH_PREFIX}bl + {FIRST_BATCH}"] if batched else []),
         f"{BATCH_PREFIX}t0 = {BATCH_PREFIX}r0 + {FIRST_ROW}",
     ]
+    body_source = ast.unparse(ast.Module(body=flat_body, type_ignores=[]))
+    if inner_loop:
+        body_source = ast.unparse(ast.Module(body=[_ReturnToContinue().visit(x) for x in flat_body], type_ignores=[]))
+        prologue.append(f"for {BATCH_PREFIX}t{kernel_dim - 1} in range({INNER}):")
     new_params = [f"{n}{_ARRAY_SUFFIX}" if n in arrays else n for n in params] + [FIRST_BATCH, FIRST_ROW]
+    new_params += [INNER] if inner_loop else []
     suffix = "__warpnn_batched" if batched else "__warpnn_rows"
     name = f"{fn.name}{suffix}"
     source = "\n".join([
         f"def {name}({', '.join(new_params)}):",
         *("    " + line for line in prologue),
-        textwrap.indent(ast.unparse(ast.Module(body=flat_body, type_ignores=[])), "    "),
+        textwrap.indent(body_source, "        " if inner_loop else "    "),
     ]) + "\n"
 
     func = _stub_function(kernel.func, name, new_params)
@@ -330,12 +350,32 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
         **{f"{n}{_ARRAY_SUFFIX}" if n in arrays else n: (_array_type(arg_types[n], 1) if n in arrays else arg_types[n]) for n in params},
         FIRST_BATCH: int,
         FIRST_ROW: int,
+        **({INNER: int} if inner_loop else {}),
     }
     module = wp.get_module(f"{suffix[2:]}.{kernel.module.name}.{kernel.key}")
     module_options = {k: v for k, v in kernel.module.options.items() if k in module.options}
     module.options.update(module_options)
     twin = wp.Kernel(func, key=f"{kernel.key}{suffix}", module=module, options=dict(kernel.options), source=source)
-    return Twin(twin, kernel_dim, batched)
+    return Twin(twin, kernel_dim, batched, inner_loop)
+
+
+def _returns_only_at_top(body: list[ast.stmt]) -> bool:
+    """Whether every ``return`` of the kernel body is outside its loops (it can become the row loop's ``continue``)."""
+
+    def returns_in_loops(node: ast.AST, in_loop: bool) -> bool:
+        if isinstance(node, ast.Return):
+            return in_loop
+        inner = in_loop or isinstance(node, (ast.For, ast.While))
+        return any(returns_in_loops(child, inner) for child in ast.iter_child_nodes(node))
+
+    return not any(returns_in_loops(stmt, False) for stmt in body)
+
+
+class _ReturnToContinue(ast.NodeTransformer):
+    """``return`` ends one thread of the kernel; in the row loop it ends one iteration."""
+
+    def visit_Return(self, node: ast.Return):
+        return ast.copy_location(ast.Continue(), node)
 
 
 def _stub_function(original, name: str, params: list[str]):
@@ -424,7 +464,10 @@ def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: di
             return operands, {}
     else:
         threads, min_work = _LAUNCH_CONFIG.get() if _LAUNCH_CONFIG.ready() else cpu_thread_config()
-        if not (on_cpu and threads > 1 and total >= 2 * min_work):
+        split = on_cpu and threads > 1 and total >= 2 * min_work
+        # A CPU launch over 2+ dims gains from the row-loop twin on one thread too (see _make_twin).
+        loops = on_cpu and mode != "off" and len(launch) >= 2 and launch[-1] >= 2 and _loops_rows(sig.kernel)
+        if not (split or loops):
             return operands, {}
     prepare = getattr(LAUNCHER.impl, "prepare_twin", None)
     reason = "the Python launcher launches per element" if prepare is None else prepare(sig, batched)
@@ -438,6 +481,11 @@ def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: di
     if batched:
         operands = [_flat_batch(op, batch_shape) for op in operands]
     return operands, {TWIN_ATTR: np.int64(1)}
+
+
+def _loops_rows(kernel) -> bool:
+    twin = twin_of(kernel, False)
+    return isinstance(twin, Twin) and twin.inner_loop
 
 
 def _flat_batch(op, batch_shape):
@@ -478,7 +526,7 @@ _LAUNCH_CONFIG = _Config()
 def declare_native(lib) -> None:
     """ctypes prototypes of the twin functions of the native library."""
     c = ctypes
-    lib.warpnn_set_twin.argtypes = [c.c_int64, c.c_int32, c.c_int32, c.c_int64] + [c.c_int32] * 6
+    lib.warpnn_set_twin.argtypes = [c.c_int64, c.c_int32, c.c_int32, c.c_int64] + [c.c_int32] * 7
     lib.warpnn_set_twin.restype = c.c_int32
     lib.warpnn_set_twin_entry.argtypes = [c.c_int64, c.c_int32, c.c_int32, c.c_int32, c.c_void_p, c.c_void_p, c.c_void_p] + [c.c_int32] * 5
     lib.warpnn_set_twin_entry.restype = c.c_int32
@@ -518,8 +566,9 @@ class NativeTwins:
     def __init__(self, lib, launcher):
         self._lib = lib
         self._launcher = launcher
-        self._reasons: dict[int, str | None] = {}  # kernel id -> None (registered) or why there is no twin
-        self._execs: dict[tuple[int, str], Any] = {}  # keeps each twin's loaded code alive
+        # (kernel id, batched) -> None (registered) or why there is no twin
+        self._reasons: dict[tuple[int, bool], str | None] = {}
+        self._execs: dict[tuple[int, str, bool], Any] = {}  # (kernel id, device, batched): keeps twin code alive
         self.set_cpu_threads(*cpu_thread_config())
 
     def set_cpu_threads(self, threads: int, min_work: int | None = None) -> None:
@@ -586,11 +635,12 @@ class NativeTwins:
         params = (*sig.inputs, *sig.outputs)
         fields = [(s.name, wc.array_t if s.is_array else s.warp_type._type_) for s in params]
         original = type("ArgsStruct", (ctypes.Structure,), {"_fields_": fields})
-        extended = type("TwinArgsStruct", (ctypes.Structure,), {"_fields_": [*fields, (FIRST_BATCH, ctypes.c_int32), (FIRST_ROW, ctypes.c_int32)]})
+        extra = [(FIRST_BATCH, ctypes.c_int32), (FIRST_ROW, ctypes.c_int32), *([(INNER, ctypes.c_int32)] if twin.inner_loop else [])]
+        extended = type("TwinArgsStruct", (ctypes.Structure,), {"_fields_": [*fields, *extra]})
         if any(getattr(original, n).offset != getattr(extended, n).offset for n, _ in fields):
             raise RuntimeError("the twin's argument struct does not extend the kernel's")
         kernel = twin.kernel
-        bounds_type = type(wc.build_launch_bounds((1,) * kernel.adj.kernel_dim, kernel))
+        bounds_type: Any = type(wc.build_launch_bounds((1,) * kernel.adj.kernel_dim, kernel))  # a ctypes struct
         try:
             tid_limit = kernel.module._get_kernel_tid_extent_limit(kernel)
         except Exception:  # noqa: BLE001 - private Warp API: the conservative candidate
@@ -599,6 +649,7 @@ class NativeTwins:
             kid, int(twin.batched), kernel.adj.kernel_dim, -1 if tid_limit is None else int(tid_limit), ctypes.sizeof(bounds_type),
             bounds_type.size.offset, bounds_type.coord_mult.offset, ctypes.sizeof(extended),
             getattr(extended, FIRST_BATCH).offset, getattr(extended, FIRST_ROW).offset,
+            getattr(extended, INNER).offset if twin.inner_loop else -1,
         )
         if rc != 0:
             raise RuntimeError(f"the native library refused the twin's layout ({rc})")

@@ -16,7 +16,7 @@ import inspect
 import numbers
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +65,17 @@ def _name_of(func) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
-def _reraise_named(name: str, error: Exception):
+def _reraise_named(name: str, error: Exception) -> NoReturn:
     """Re-raise a Warp ValueError / TypeError / RuntimeError with the function's name in front."""
     if type(error) in (ValueError, TypeError, RuntimeError):
         raise type(error)(f"warpnn.jax_callable '{name}': {error}") from error
     raise error
+
+
+def _zero_aval(ct: SymbolicZero) -> tuple[tuple[int, ...], Any]:
+    """Shape and dtype of a symbolic-zero cotangent (its aval is a ShapedArray, typed as any abstract value)."""
+    aval: Any = ct.aval
+    return tuple(aval.shape), aval.dtype
 
 
 class WarpCallable:
@@ -430,6 +436,7 @@ class _Plan:
         wrapper = self.wrapper
         inputs = self.arguments(arrays)
         shape_of = {a.name: tuple(x.shape) for a, x in zip(wrapper.input_args, inputs) if a.is_array}
+        assert self.output_shapes is not None, "the VJP's plan carries the forward's output shapes"
         out_shape_of = {a.name: shape for a, shape in zip(wrapper.jax_output_args, self.output_shapes)}
         grad_dims = {f"grad_{a.name}": shape_of[a.name] for a in wrapper.input_args if a.name in self.differentiated}
         if wrapper.backward is not None:
@@ -478,8 +485,8 @@ def _differentiable_call_bwd(plan: _Plan, residuals, cotangents):
     if not (differentiated & perturbed.value) or all(isinstance(ct, SymbolicZero) for ct in cts):
         return (None,) * len(arrays)  # nothing differentiable, or zero cotangents: zero (float0 for integers)
     # A zero cotangent among others becomes a zero array: the VJP callable's signature is fixed.
-    cts = [jnp.zeros(ct.aval.shape, ct.aval.dtype) if isinstance(ct, SymbolicZero) else ct for ct in cts]
-    shapes = tuple(tuple(ct.aval.shape) if isinstance(ct, SymbolicZero) else tuple(np.shape(ct)) for ct in cotangents)
+    cts = [jnp.zeros(*_zero_aval(ct)) if isinstance(ct, SymbolicZero) else ct for ct in cts]
+    shapes = tuple(_zero_aval(ct)[0] if isinstance(ct, SymbolicZero) else tuple(np.shape(ct)) for ct in cotangents)
     plan = dataclasses.replace(plan, output_shapes=shapes, differentiated=differentiated)
     # jax.hessian / jacfwd(jacrev): forward mode through the backward call.
     with forward_mode_refused(FORWARD_MODE_MESSAGE.format(name=wrapper.name), ()):
@@ -614,6 +621,7 @@ def _user_backward_body(wrapper: WarpCallable):
 
 
 def _check_backward_arity(wrapper: WarpCallable) -> None:
+    assert wrapper.backward is not None, "only a user backward has an arity to check"
     params, _ = _backward_parameters(wrapper)
     try:
         inspect.signature(wrapper.backward).bind(*range(len(params)))
@@ -662,7 +670,7 @@ def _check_gradient_chain(name: str, tape, call_arrays) -> None:
     analysis; where it cannot tell how a kernel uses an array, that use does not count (no refusal on a guess).
     """
     passed_in = {a.ptr for a in call_arrays if isinstance(a, wp.array)}
-    written = {}  # ptr of a gradient-less intermediate -> the kernel that wrote it from differentiable arrays
+    written: dict[int, Any] = {}  # ptr of a gradient-less intermediate -> the kernel that wrote it from differentiable arrays
     for launch in tape.launches:
         if callable(launch):
             continue

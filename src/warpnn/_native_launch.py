@@ -55,7 +55,7 @@ from ._launch import _LOAD_LOCK, check_warp_supports, refuse_deterministic
 from ._signature import ArgSpec, KernelSignature
 from . import _batched
 
-ABI_VERSION = 3  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
+ABI_VERSION = 4  # must equal WARPNN_ABI_VERSION in warpnn_ffi.c
 NATIVE_DIR = Path(__file__).resolve().with_name("_native")
 SOURCE = NATIVE_DIR / "warpnn_ffi.c"
 LIB_ENV = "WARPNN_NATIVE_LIB"

@@ -177,7 +177,7 @@ class KernelSignature:
 
     @functools.cached_property
     def outputs_fully_written(self) -> tuple[str, ...]:
-        """Outputs every thread stores exactly at its own ``wp.tid()`` index, unconditionally.
+        """Outputs every thread stores exactly at its own ``wp.tid()`` index on every path (see ``_fully_written``).
 
         When such an output's Warp shape equals the launch dims, each element is written by the
         launch, so it need not be zeroed first: for a bandwidth-bound elementwise kernel that memset
@@ -308,32 +308,65 @@ class KernelSignature:
 
 
 def _fully_written(tree: ast.AST, name: str) -> bool:
-    """Whether the kernel's top level stores ``name[tid...]`` and never mentions ``name`` otherwise."""
+    """Whether every path through the kernel stores ``name[tid...]`` (the thread's own element) before it ends,
+    and the kernel never mentions ``name`` otherwise.
+
+    Paths: an ``if`` whose branches both store covers the paths through it; an early ``return`` must come after
+    a store on its path (``if inactive: x_new[tid] = x0; return`` then ``x_new[tid] = x1``, as Newton writes
+    it); a store inside a loop, or a ``return`` inside one, does not count.
+    """
     fn = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)), None)
-    if fn is None or any(isinstance(n, ast.Return) for n in ast.walk(fn)):  # an early return skips stores
+    if fn is None:
         return False
-    tid_vars, stores = None, 0
-    for stmt in fn.body:  # top level only: a store under `if` or in a loop may not run
-        if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
-            continue
-        target, value = stmt.targets[0], stmt.value
-        if isinstance(value, ast.Call) and getattr(value.func, "attr", getattr(value.func, "id", None)) == "tid":
-            names = target.elts if isinstance(target, ast.Tuple) else [target]
-            if all(isinstance(n, ast.Name) for n in names):
-                tid_vars = [n.id for n in names]
-        elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id == name:
-            index = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
-            if tid_vars is None or [getattr(i, "id", None) for i in index] != tid_vars:
-                return False
-            stores += 1
-    if tid_vars is None or stores == 0:
+    tid_at = next((k for k, stmt in enumerate(fn.body) if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                   and isinstance(stmt.value, ast.Call)
+                   and getattr(stmt.value.func, "attr", getattr(stmt.value.func, "id", None)) == "tid"), None)
+    if tid_at is None:
         return False
+    target = fn.body[tid_at].targets[0]
+    names = target.elts if isinstance(target, ast.Tuple) else [target]
+    if not all(isinstance(n, ast.Name) for n in names):
+        return False
+    tid_vars = [n.id for n in names]
     assigned = []  # plain names bound anywhere (not names used inside subscript targets)
     for n in ast.walk(fn):
         targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
         for t in targets:
             assigned += [e.id for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name)]
     if any(assigned.count(v) != 1 for v in tid_vars):  # a reassigned tid variable no longer names this thread's element
+        return False
+
+    def is_store(stmt: ast.stmt) -> bool:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript)):
+            return False
+        sub = stmt.targets[0]
+        if not (isinstance(sub.value, ast.Name) and sub.value.id == name):
+            return False
+        index = sub.slice.elts if isinstance(sub.slice, ast.Tuple) else [sub.slice]
+        return [getattr(i, "id", None) for i in index] == tid_vars
+
+    stores = 0
+
+    def covers(stmts: list[ast.stmt], stored: bool) -> str:
+        """"stored": every path through ``stmts`` has stored when it leaves them; "open": some have not;
+        "fail": one returns unstored."""
+        nonlocal stores
+        for stmt in stmts:
+            if is_store(stmt):
+                stores += 1
+                stored = True
+            elif isinstance(stmt, ast.Return):
+                return "stored" if stored else "fail"  # (what follows in this block never runs)
+            elif isinstance(stmt, ast.If):
+                body, orelse = covers(stmt.body, stored), covers(stmt.orelse, stored)
+                if "fail" in (body, orelse):
+                    return "fail"
+                stored = stored or body == orelse == "stored"
+            elif not stored and any(isinstance(n, ast.Return) for n in ast.walk(stmt)):
+                return "fail"  # a return inside a loop, before any store on its path
+        return "stored" if stored else "open"
+
+    if covers(fn.body[tid_at + 1:], False) != "stored":
         return False
     mentions = sum(isinstance(n, ast.Name) and n.id == name for n in ast.walk(fn))
     return mentions == stores
@@ -880,7 +913,7 @@ _KERNEL_USES: dict[int, tuple[Any, dict[str, ArrayUse]]] = {}
 
 
 def fully_written(kernel: Any, name: str) -> bool:
-    """Whether every thread of ``kernel`` stores ``name[tid...]`` unconditionally (see ``outputs_fully_written``)."""
+    """Whether every thread of ``kernel`` stores ``name[tid...]`` on every path (see ``outputs_fully_written``)."""
     try:
         return _fully_written(kernel.adj.tree, name)
     except Exception:  # noqa: BLE001 - no source tree: not provably written

@@ -42,7 +42,7 @@
 #define WARPNN_EXPORT __attribute__((visibility("default")))
 
 /* Bumped whenever the registration interface below changes; Python refuses a library with another value. */
-#define WARPNN_ABI_VERSION 3
+#define WARPNN_ABI_VERSION 4
 #ifndef WARPNN_SOURCE_HASH
 #define WARPNN_SOURCE_HASH "unknown"
 #endif
@@ -166,6 +166,8 @@ typedef struct TwinLayout {
     int32_t bounds_size, bounds_size_offset, bounds_coord_mult_offset;
     int32_t args_size;                            /* the original struct + the two offsets */
     int32_t first_batch_offset, first_row_offset; /* int32 fields: batch / first-coordinate offsets */
+    int32_t inner_offset; /* >= 0: the row-loop twin, which loops over the last launch dim itself; its extent goes in
+                           * this int32 field, and the launch covers the other dims (-1: none) */
 } TwinLayout;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -426,13 +428,15 @@ WARPNN_EXPORT int32_t warpnn_set_cuda_entry(int64_t kernel_id, int32_t ordinal, 
 WARPNN_EXPORT int32_t warpnn_set_twin(int64_t kernel_id, int32_t batched, int32_t kernel_dim, int64_t tid_limit,
                                       int32_t bounds_size, int32_t bounds_size_offset,
                                       int32_t bounds_coord_mult_offset, int32_t args_size, int32_t first_batch_offset,
-                                      int32_t first_row_offset) {
+                                      int32_t first_row_offset, int32_t inner_offset) {
     KernelDesc* d = lookup(kernel_id);
     if (!d) return 1;
     batched = batched ? 1 : 0;
-    if (kernel_dim != d->kernel_dim + batched || kernel_dim > kMaxDims || bounds_size <= 0 || bounds_size > 64 ||
-        args_size < d->args_size || first_batch_offset < d->args_size || first_row_offset < d->args_size ||
-        first_batch_offset + 4 > args_size || first_row_offset + 4 > args_size)
+    const int inner = inner_offset >= 0;
+    if (kernel_dim != d->kernel_dim + batched - inner || kernel_dim > kMaxDims || bounds_size <= 0 ||
+        bounds_size > 64 || args_size < d->args_size || first_batch_offset < d->args_size ||
+        first_row_offset < d->args_size || first_batch_offset + 4 > args_size || first_row_offset + 4 > args_size ||
+        (inner && (batched || d->kernel_dim < 2 || inner_offset < d->args_size || inner_offset + 4 > args_size)))
         return 4;
     TwinLayout* t = (TwinLayout*)calloc(1, sizeof(TwinLayout));
     if (!t) return 2;
@@ -445,6 +449,7 @@ WARPNN_EXPORT int32_t warpnn_set_twin(int64_t kernel_id, int32_t batched, int32_
     t->args_size = args_size;
     t->first_batch_offset = first_batch_offset;
     t->first_row_offset = first_row_offset;
+    t->inner_offset = inner ? inner_offset : -1;
     atomic_store_explicit(&d->twin[batched], t, memory_order_release);
     return 0;
 }
@@ -923,14 +928,21 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
     memcpy(args_struct + twin->first_batch_offset, &zero, 4);
     memcpy(args_struct + twin->first_row_offset, &zero, 4);
 
-    /* bounds: ([batch,] launch dims padded with 1 to the kernel's rank) */
+    /* bounds: ([batch,] launch dims padded with 1 to the kernel's rank); the row-loop twin's last dim is its loop */
     const int64_t* dims = (const int64_t*)dims_attr->data;
     uint8_t bounds[64];
     memset(bounds, 0, sizeof(bounds));
-    uint64_t per_batch = 1;
+    uint64_t per_batch = 1, inner = 1;
     uint32_t e32 = (uint32_t)num_batch;
     if (batched) memcpy(bounds, &e32, 4);
-    for (int32_t i = 0; i < d->kernel_dim; ++i) {
+    const int32_t launch_rank = d->kernel_dim - (twin->inner_offset >= 0);
+    if (twin->inner_offset >= 0) {
+        int64_t extent = launch_rank < (int32_t)dims_attr->size ? dims[launch_rank] : 1;
+        int32_t e = (int32_t)extent; /* the handler checked every extent against Warp's 32-bit tid limit */
+        memcpy(args_struct + twin->inner_offset, &e, 4);
+        inner = (uint64_t)extent;
+    }
+    for (int32_t i = 0; i < launch_rank; ++i) {
         int64_t extent = i < (int32_t)dims_attr->size ? dims[i] : 1;
         per_batch *= (uint64_t)extent;
         e32 = (uint32_t)extent;
@@ -1003,7 +1015,7 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
     c.num_arrays = num_arrays;
     int threads = atomic_load(&g_cpu_threads);
     int64_t min_work = atomic_load(&g_min_per_worker);
-    int64_t by_work = (int64_t)(total / (uint64_t)(min_work > 0 ? min_work : 1));
+    int64_t by_work = (int64_t)(total * inner / (uint64_t)(min_work > 0 ? min_work : 1)); /* elements, not rows */
     int workers = threads < by_work ? threads : (int)(by_work < 1 ? 1 : by_work);
     const PartialKinds* pk = (const PartialKinds*)atomic_load_explicit(&((KernelDesc*)d)->partials, memory_order_acquire);
     size_t partial_stride = 0;
@@ -1041,7 +1053,7 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
         }
         /* partial buffers cost their zeroing and reduction: keep them within a few times the launch's threads */
         if (partial_stride && workers > 1) {
-            int64_t affordable = 1 + (int64_t)(16 * total / (partial_stride ? partial_stride : 1));
+            int64_t affordable = 1 + (int64_t)(16 * total * inner / (partial_stride ? partial_stride : 1));
             if (workers > affordable) workers = (int)affordable;
         }
     } else {

@@ -1,0 +1,118 @@
+"""Where a Warp CPU kernel's time per element goes: the heat stencil in three spellings, and a copy.
+
+``python -m benchmarks.cpu_codegen [--sizes 256,1024]`` launches each kernel with Warp's own ``wp.launch`` on
+the CPU (one thread, recorded commands, best of 7) and prints ns per element:
+
+* ``2-D launch``: the stencil as users write it, ``i, j = wp.tid()`` over ``(n, n)``;
+* ``flat 1-D, i = t // m``: the same over a flattened array, unravelling the index itself;
+* ``row loop``: ``i = wp.tid()`` over ``(n,)`` and ``for j in range(m)`` inside (what warpnn's row-loop twin does);
+* ``1-D copy``: ``y[i] = x[i]``, Warp's contiguous fast path, the floor.
+
+Warp's CPU entry computes every thread's coordinates from one linear index with a division per launch dim
+(what the flat kernel does by hand); the row loop has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import warp as wp
+
+from .common import environment
+from .heat import C, heat_step
+
+wp.config.quiet = True
+
+
+@wp.func
+def _neighbours(i: int, n: int):
+    """The periodic neighbours of ``i`` in ``[0, n)``, with branches (no modulo), as ``heat_step`` finds them."""
+    up = i + 1
+    if up == n:
+        up = 0
+    down = i - 1
+    if down < 0:
+        down = n - 1
+    return up, down
+
+
+@wp.kernel
+def heat_step_flat(u: wp.array(dtype=float), alpha: wp.array(dtype=float), c: float, n: int, m: int,
+                   out: wp.array(dtype=float)):
+    t = wp.tid()
+    i = t // m
+    j = t - i * m
+    ip, im = _neighbours(i, n)
+    jp, jm = _neighbours(j, m)
+    lap = u[ip * m + j] + u[im * m + j] + u[i * m + jp] + u[i * m + jm] - 4.0 * u[t]
+    out[t] = u[t] + alpha[0] * c * lap
+
+
+@wp.kernel
+def heat_step_rows(u: wp.array2d(dtype=float), alpha: wp.array(dtype=float), c: float, out: wp.array2d(dtype=float)):
+    i = wp.tid()
+    m = u.shape[1]
+    ip, im = _neighbours(i, u.shape[0])
+    for j in range(m):
+        jp, jm = _neighbours(j, m)
+        lap = u[ip, j] + u[im, j] + u[i, jp] + u[i, jm] - 4.0 * u[i, j]
+        out[i, j] = u[i, j] + alpha[0] * c * lap
+
+
+@wp.kernel
+def copy_1d(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = x[i]
+
+
+def ns_per_element(kernel, dims, inputs, elements: int) -> float:
+    cmd = wp.launch(kernel, dims, inputs=inputs, device="cpu", record_cmd=True)
+    cmd.launch()
+    reps = max(3, (1 << 22) // elements)
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            cmd.launch()
+        best = min(best, (time.perf_counter() - t0) / reps / elements)
+    return best * 1e9
+
+
+def run(sizes) -> list[dict]:
+    rows = []
+    for n in sizes:
+        host = np.random.default_rng(0).random((n, n), dtype=np.float32)
+        u, alpha = wp.array(host, device="cpu"), wp.array([0.1], dtype=float, device="cpu")
+        outs = [wp.zeros((n, n), dtype=float, device="cpu") for _ in range(2)]
+        flat_u, flat_out = wp.array(host.ravel(), device="cpu"), wp.zeros(n * n, dtype=float, device="cpu")
+        x, y = wp.zeros(n * n, dtype=float, device="cpu"), wp.zeros(n * n, dtype=float, device="cpu")
+        row = {
+            "size": n,
+            "2-D launch": ns_per_element(heat_step, (n, n), [u, alpha, C, outs[0]], n * n),
+            "flat 1-D, i = t // m": ns_per_element(heat_step_flat, (n * n,), [flat_u, alpha, C, n, n, flat_out], n * n),
+            "row loop": ns_per_element(heat_step_rows, (n,), [u, alpha, C, outs[1]], n * n),
+            "1-D copy": ns_per_element(copy_1d, (n * n,), [x, y], n * n),
+        }
+        # the three stencils compute the same numbers
+        assert np.array_equal(outs[0].numpy(), outs[1].numpy()) and np.array_equal(outs[0].numpy().ravel(), flat_out.numpy())
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="256,1024")
+    args = parser.parse_args(argv)
+    rows = run([int(s) for s in args.sizes.split(",")])
+    names = [k for k in rows[0] if k != "size"]
+    print(f"Environment: {environment()}\n")
+    print("| size | " + " | ".join(f"{n} (ns per element)" for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for r in rows:
+        print(f"| {r['size']}² | " + " | ".join(f"{r[n]:.2f}" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
