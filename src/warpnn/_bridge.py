@@ -192,7 +192,9 @@ class _KernelOptions:
 
 
 class WarpKernel:
-    """A Warp kernel callable from JAX, differentiable in reverse mode. Create with :func:`jax_kernel`."""
+    """A Warp kernel callable from JAX, differentiable in reverse mode. Create with :func:`jax_kernel`, which
+    checks its arguments into the ``options`` this constructor takes and returns the same wrapper for the
+    same arguments."""
 
     def __init__(self, kernel, options: _KernelOptions):
         if not isinstance(options, _KernelOptions):
