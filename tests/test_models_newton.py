@@ -8,6 +8,7 @@ import warp as wp
 
 newton = pytest.importorskip("newton")
 
+from warpnn import _batched  # noqa: E402
 from warpnn_models.newton import NewtonStep, equinox_module, nnx_module, rollout  # noqa: E402
 
 T, DT = 100, 1e-3
@@ -182,7 +183,11 @@ def test_xpbd_forward_equals_newton():
     step = NewtonStep(model, solver, DT, contacts=contacts)
     final, _ = jax.jit(lambda s: rollout(step, s, None, num_steps=T))(step.initial_state())
     states = newton_loop(model, solver, contacts)
-    assert np.abs(np.asarray(final["particle_q"]) - states[T].particle_q.numpy()).max() <= 1e-6
+    # XPBD accumulates constraint corrections with atomics: bit for bit Newton's loop on one CPU thread; with
+    # launches forced onto several (WARPNN_CPU_MIN_WORK=1) the per-thread partial sums add in another order.
+    threads, min_work = _batched.cpu_thread_config()
+    tolerance = 1e-6 if threads == 1 or min_work >= model.particle_count else 1e-5
+    assert np.abs(np.asarray(final["particle_q"]) - states[T].particle_q.numpy()).max() <= tolerance
 
 
 def test_refusals_are_clear():
