@@ -681,6 +681,17 @@ def _fence(values) -> list[jax.Array]:
     return list(jax.lax.optimization_barrier(tuple(values)))
 
 
+def zero_aval(ct: SymbolicZero) -> tuple[tuple[int, ...], Any]:
+    """Shape and dtype of a symbolic-zero cotangent (its aval is a ShapedArray, typed as any abstract value)."""
+    aval: Any = ct.aval
+    return tuple(aval.shape), aval.dtype
+
+
+def instantiate_zero(ct):
+    """A cotangent as an array: a symbolic zero becomes zeros of its shape and dtype (Warp reads every adjoint)."""
+    return jnp.zeros(*zero_aval(ct)) if isinstance(ct, SymbolicZero) else ct
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _first_order_only(plan: _CallPlan, adjoint: bool, *operands) -> list[jax.Array]:
     """An FFI call that refuses, with a clear message, to be differentiated (again)."""
@@ -754,7 +765,7 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         sig = plan.sig
     # Integer results have float0 cotangents; Warp gets no adjoint buffer for them. A symbolic-zero cotangent
     # of one float result among others becomes a zero array: Warp's adjoint reads every result's adjoint.
-    float_cts = [jnp.zeros(ct.aval.shape, ct.aval.dtype) if isinstance(ct, SymbolicZero) else ct for ct in float_cts]
+    float_cts = [instantiate_zero(ct) for ct in float_cts]
     ct_of = dict(zip((s.name for s in sig.float_results), float_cts))
     carried = {s.name for s in sig.carried_adjoints}
     # The primal slot of a pure output: its value before the launch where the kernel reads it (zeros: outputs

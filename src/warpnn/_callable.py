@@ -26,7 +26,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _sharding
 from . import _warp_compat as wc
-from ._bridge import SECOND_ORDER_MESSAGE, _fence, _Static, forward_mode_refused
+from ._bridge import SECOND_ORDER_MESSAGE, _fence, _Static, forward_mode_refused, instantiate_zero, zero_aval
 from ._signature import ArrayUse, _arg_spec, analyse_array_uses
 from ._warp_compat import jax_ffi
 
@@ -70,12 +70,6 @@ def _reraise_named(name: str, error: Exception) -> NoReturn:
     if type(error) in (ValueError, TypeError, RuntimeError):
         raise type(error)(f"warpnn.jax_callable '{name}': {error}") from error
     raise error
-
-
-def _zero_aval(ct: SymbolicZero) -> tuple[tuple[int, ...], Any]:
-    """Shape and dtype of a symbolic-zero cotangent (its aval is a ShapedArray, typed as any abstract value)."""
-    aval: Any = ct.aval
-    return tuple(aval.shape), aval.dtype
 
 
 class WarpCallable:
@@ -485,8 +479,8 @@ def _differentiable_call_bwd(plan: _Plan, residuals, cotangents):
     if not (differentiated & perturbed.value) or all(isinstance(ct, SymbolicZero) for ct in cts):
         return (None,) * len(arrays)  # nothing differentiable, or zero cotangents: zero (float0 for integers)
     # A zero cotangent among others becomes a zero array: the VJP callable's signature is fixed.
-    cts = [jnp.zeros(*_zero_aval(ct)) if isinstance(ct, SymbolicZero) else ct for ct in cts]
-    shapes = tuple(_zero_aval(ct)[0] if isinstance(ct, SymbolicZero) else tuple(np.shape(ct)) for ct in cotangents)
+    cts = [instantiate_zero(ct) for ct in cts]
+    shapes = tuple(zero_aval(ct)[0] if isinstance(ct, SymbolicZero) else tuple(np.shape(ct)) for ct in cotangents)
     plan = dataclasses.replace(plan, output_shapes=shapes, differentiated=differentiated)
     # jax.hessian / jacfwd(jacrev): forward mode through the backward call.
     with forward_mode_refused(FORWARD_MODE_MESSAGE.format(name=wrapper.name), ()):
