@@ -48,9 +48,9 @@ def _variants():
     }
 
 
-def _scan(step):
+def _scan(step, unroll: int = 1):
     def run(x):
-        y, _ = jax.lax.scan(lambda c, _: (step(c), None), x, None, length=SCAN_STEPS)
+        y, _ = jax.lax.scan(lambda c, _: (step(c), None), x, None, length=SCAN_STEPS, unroll=unroll)
         return y
 
     return run
