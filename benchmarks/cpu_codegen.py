@@ -21,21 +21,11 @@ import numpy as np
 import warp as wp
 
 from .common import environment
+from tests.kernels_for_tests import periodic_neighbours
+
 from .heat import C, heat_step
 
 wp.config.quiet = True
-
-
-@wp.func
-def _neighbours(i: int, n: int):
-    """The periodic neighbours of ``i`` in ``[0, n)``, with branches (no modulo), as ``heat_step`` finds them."""
-    up = i + 1
-    if up == n:
-        up = 0
-    down = i - 1
-    if down < 0:
-        down = n - 1
-    return up, down
 
 
 @wp.kernel
@@ -44,8 +34,8 @@ def heat_step_flat(u: wp.array(dtype=float), alpha: wp.array(dtype=float), c: fl
     t = wp.tid()
     i = t // m
     j = t - i * m
-    ip, im = _neighbours(i, n)
-    jp, jm = _neighbours(j, m)
+    ip, im = periodic_neighbours(i, n)
+    jp, jm = periodic_neighbours(j, m)
     lap = u[ip * m + j] + u[im * m + j] + u[i * m + jp] + u[i * m + jm] - 4.0 * u[t]
     out[t] = u[t] + alpha[0] * c * lap
 
@@ -54,9 +44,9 @@ def heat_step_flat(u: wp.array(dtype=float), alpha: wp.array(dtype=float), c: fl
 def heat_step_rows(u: wp.array2d(dtype=float), alpha: wp.array(dtype=float), c: float, out: wp.array2d(dtype=float)):
     i = wp.tid()
     m = u.shape[1]
-    ip, im = _neighbours(i, u.shape[0])
+    ip, im = periodic_neighbours(i, u.shape[0])
     for j in range(m):
-        jp, jm = _neighbours(j, m)
+        jp, jm = periodic_neighbours(j, m)
         lap = u[ip, j] + u[im, j] + u[i, jp] + u[i, jm] - 4.0 * u[i, j]
         out[i, j] = u[i, j] + alpha[0] * c * lap
 

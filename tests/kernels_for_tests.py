@@ -96,25 +96,25 @@ def cubic_f64_ref(x, w):
     return w * x**3 + jnp.sin(x * w)
 
 
+@wp.func
+def periodic_neighbours(i: int, n: int):
+    """The neighbours of ``i`` in ``[0, n)`` on a ring, wrapped by branches (no modulo)."""
+    up = i + 1
+    if up == n:
+        up = 0
+    down = i - 1
+    if down < 0:
+        down = n - 1
+    return up, down
+
+
 # A 2-D periodic heat-diffusion step: a stencil whose threads read their neighbours (u's adjoint scatters),
 # with neighbours wrapped by branches, not modulo. Also what benchmarks.heat times.
 @wp.kernel
 def heat_step(u: wp.array2d(dtype=float), alpha: wp.array(dtype=float), c: float, out: wp.array2d(dtype=float)):
     i, j = wp.tid()
-    n = u.shape[0]
-    m = u.shape[1]
-    ip = i + 1
-    if ip == n:
-        ip = 0
-    im = i - 1
-    if im < 0:
-        im = n - 1
-    jp = j + 1
-    if jp == m:
-        jp = 0
-    jm = j - 1
-    if jm < 0:
-        jm = m - 1
+    ip, im = periodic_neighbours(i, u.shape[0])
+    jp, jm = periodic_neighbours(j, u.shape[1])
     lap = u[ip, j] + u[im, j] + u[i, jp] + u[i, jm] - 4.0 * u[i, j]
     out[i, j] = u[i, j] + alpha[0] * c * lap
 
