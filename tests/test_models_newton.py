@@ -88,6 +88,15 @@ def test_forward_equals_newton(semi_implicit):
     assert states[T].particle_q.numpy()[:, 2].min() > 0.09  # free fall would reach 0.02: the ground held it
 
 
+def test_unrolled_rollout_equals_the_plain_one(semi_implicit):
+    model, _, _, step = semi_implicit
+    forces = jnp.asarray(forces_and_weights(model.particle_count)[0])
+    run = lambda unroll: jax.jit(lambda s, f, p: rollout(step, s, {"particle_f": f}, p, unroll=unroll))(  # noqa: E731
+        step.initial_state(), forces, step.initial_params())
+    (final, trajectory), (final_4, trajectory_4) = run(1), run(4)  # T = 100: 25 iterations of 4 steps
+    jax.tree.map(np.testing.assert_array_equal, (final_4, trajectory_4), (final, trajectory))
+
+
 @wp.kernel
 def weighted_sum(q: wp.array(dtype=wp.vec3), qd: wp.array(dtype=wp.vec3), wq: wp.array(dtype=wp.vec3),
                  wv: wp.array(dtype=wp.vec3), out: wp.array(dtype=float)):
