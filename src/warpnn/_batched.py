@@ -352,11 +352,51 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
         FIRST_ROW: int,
         **({INNER: int} if inner_loop else {}),
     }
-    module = wp.get_module(f"{suffix[2:]}.{kernel.module.name}.{kernel.key}")
-    module_options = {k: v for k, v in kernel.module.options.items() if k in module.options}
-    module.options.update(module_options)
+    module = _module_of_its_own(kernel, suffix[2:])
     twin = wp.Kernel(func, key=f"{kernel.key}{suffix}", module=module, options=dict(kernel.options), source=source)
     return Twin(twin, kernel_dim, batched, inner_loop)
+
+
+def _module_of_its_own(kernel, kind: str):
+    """A Warp module for a kernel generated from ``kernel``, with the options of ``kernel``'s module.
+
+    Adding the generated kernel to ``kernel``'s own module would rebuild and unload the code already loaded.
+    """
+    module = wp.get_module(f"{kind}.{kernel.module.name}.{kernel.key}")
+    module.options.update({k: v for k, v in kernel.module.options.items() if k in module.options})
+    return module
+
+
+_REORDERED: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
+
+
+def with_parameters_reordered(kernel, order: tuple[str, ...]):
+    """``kernel`` with its parameters in ``order`` (a permutation of their names): the same body, same key.
+
+    Warp binds a kernel's arguments by position, and ``warpnn.jax_kernel`` (like ``wp.jax_kernel``) returns the
+    trailing ones as pure outputs, which need no operand. The launch tracer moves the arrays a launch stores whole
+    to the end with this, so that an array like Newton's ``x_new`` (followed by ``v_new``, which it must pass in
+    with its previous value) is a pure output rather than an in-out array: an in-out array's old value is copied
+    into the result's buffer whenever it stays live, every step of a rollout.
+    """
+    with _LOCK:
+        cached = _REORDERED.get((id(kernel), order))
+        if cached is not None and cached[0] is kernel:
+            return cached[1]
+        adj = kernel.adj
+        arg_types = {k: v for k, v in adj.arg_types.items() if k != "return"}
+        if sorted(order) != sorted(arg_types):
+            raise ValueError(f"Kernel '{kernel.key}': {list(order)} is not an order of its parameters {list(arg_types)}.")
+        fn = adj.tree.body[0]
+        name = f"{fn.name}__warpnn_reordered"
+        body_source = ast.unparse(ast.Module(body=copy.deepcopy(fn.body), type_ignores=[]))
+        source = f"def {name}({', '.join(order)}):\n" + textwrap.indent(body_source, "    ") + "\n"
+        func = _stub_function(kernel.func, name, list(order))
+        func.__annotations__ = {n: arg_types[n] for n in order}
+        module = _module_of_its_own(kernel, "warpnn_reordered")
+        reordered = wp.Kernel(func, key=kernel.key, module=module, options=dict(kernel.options), source=source)
+        _REORDERED[(id(kernel), order)] = (kernel, reordered)
+        return reordered
 
 
 def _returns_only_at_top(body: list[ast.stmt]) -> bool:
@@ -381,7 +421,8 @@ class _ReturnToContinue(ast.NodeTransformer):
 def _stub_function(original, name: str, params: list[str]):
     """A Python function named ``name`` taking ``params``, with ``original``'s globals and closure cells, so
     Warp resolves every name of the generated source as it resolves the original kernel's (plus ``warpnn_wp``)."""
-    freevars = tuple(original.__code__.co_freevars)
+    # A kernel generated from a generated one (the batched twin of a reordered kernel) already has warpnn_wp.
+    freevars = tuple(n for n in original.__code__.co_freevars if n != f"{BATCH_PREFIX}wp")
     inner_refs = "; ".join((*freevars, f"{BATCH_PREFIX}wp")) or "pass"
     factory_src = (
         f"def _factory({', '.join((*freevars, BATCH_PREFIX + 'wp'))}):\n"
@@ -390,9 +431,9 @@ def _stub_function(original, name: str, params: list[str]):
         f"    return {name}\n"
     )
     namespace: dict[str, Any] = {}
-    exec(compile(factory_src, f"<warpnn batched twin of {original.__qualname__}>", "exec"), namespace)  # noqa: S102
+    exec(compile(factory_src, f"<warpnn kernel generated from {original.__qualname__}>", "exec"), namespace)  # noqa: S102
     stub = namespace["_factory"](*([None] * (len(freevars) + 1)))
-    cells = dict(zip(freevars, original.__closure__ or ()))
+    cells = dict(zip(original.__code__.co_freevars, original.__closure__ or ()))
     cells[f"{BATCH_PREFIX}wp"] = types.CellType(wp)
     closure = tuple(cells[n] for n in stub.__code__.co_freevars)
     func = types.FunctionType(stub.__code__, original.__globals__, name, None, closure)

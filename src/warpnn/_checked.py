@@ -634,7 +634,7 @@ def _build(kernel) -> CheckedKernel:
     module = wp.get_module(f"warpnn_checked_{_TRANSFORM_VERSION}.{kernel.module.name}.{kernel.key}")
     module.options.update(kernel.module.options)
     checked = wp.Kernel(variant, key=f"{kernel.key}__checked", module=module, options=dict(kernel.options),
-                        code_transformers=[guard])
+                        code_transformers=[guard], source=kernel.adj.source)  # the kernel's (it may be generated)
     if guard.unguarded:
         warnings.warn(
             f"warpnn checked mode: kernel '{kernel.key}' has array accesses checked mode does not guard (arrays "

@@ -96,7 +96,8 @@ def _pruned_kernel(kernel, names: frozenset[str]):
     module.options.update(kernel.module.options)
     transformer = _DropOutputs(names, kernel.func.__globals__)
     return wp.Kernel(kernel.func, key=f"{kernel.key}__without_{'_'.join(sorted(names))}", module=module,
-                     options=dict(kernel.options), code_transformers=[transformer])
+                     options=dict(kernel.options), code_transformers=[transformer],
+                     source=kernel.adj.source)  # the source the kernel was built from (it may be generated)
 
 
 def without_outputs(sig: KernelSignature, names: frozenset[str]) -> KernelSignature:

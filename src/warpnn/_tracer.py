@@ -45,6 +45,7 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
+from ._batched import with_parameters_reordered
 from ._bridge import jax_kernel
 from ._signature import fully_written, kernel_array_uses
 
@@ -67,12 +68,6 @@ UNSUPPORTED_OP_MESSAGE = (
     "code or graph machinery) and cannot be replayed as a JAX operation. Fix: call it outside the traced "
     "function, or replace it by a kernel."
 )
-RESULT_ORDER_MESSAGE = (
-    "warpnn.trace: kernel '{key}' writes '{first}' but takes the scalar(s) {scalars} after it. warpnn.jax_kernel "
-    "(like wp.jax_kernel) returns the trailing arguments of a kernel as its results, so every argument after "
-    "the first one the kernel writes must be an array. Fix: move the kernel's scalar parameters before the "
-    "arrays it writes."
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +84,11 @@ class _ArrayInfo:
 class _Launch:
     """One kernel launch as a ``warpnn.jax_kernel`` call: the arguments ``params[first_result:]`` are its results.
 
-    Results are in-out arrays (passed in with their previous value, so the kernel updates it as Warp would:
-    accumulations, stores under a condition, reads of the old value) except a trailing run of pure outputs:
-    arrays each thread provably stores whole, and ``None`` results (Warp's null array: an empty output).
+    Results are the arrays the launch writes: in-out arrays (passed in with their previous value, so the kernel
+    updates it as Warp would: accumulations, stores under a condition, reads of the old value), and pure outputs:
+    arrays each thread provably stores whole, and ``None`` results (Warp's null array: an empty output). Pure
+    outputs end the signature; where they did not, ``kernel`` is the launched kernel with its parameters
+    reordered (``_batched.with_parameters_reordered``).
     """
 
     kernel: Any
@@ -393,24 +390,33 @@ class _Recorder:
         written = [is_array[i] and uses[p.label].writes for i, p in enumerate(params)]
         if not any(written):
             return  # writes no array: nothing the replay can see
-        first = written.index(True)
-        scalars = [p.label for i, p in enumerate(params) if i >= first and not is_array[i]]
-        if scalars:
-            raise TypeError(RESULT_ORDER_MESSAGE.format(key=kernel.key, first=params[first].label, scalars=scalars))
-
-        # Pure outputs: a trailing run of None results and of arrays every thread stores whole; the bridge zeroes
-        # (or fully overwrites) them. Every other result is in-out, updated from its previous value.
-        pure = len(params)
-        while pure > first:
-            p, value = params[pure - 1], args[pure - 1]
-            whole = value is not None and uses[p.label].writes and not uses[p.label].reads and (
-                fully_written(kernel, p.label) and tuple(value.shape) == dims)
-            if not (value is None or whole):
-                break
-            pure -= 1
-        in_out = [p.label for p in params[first:pure]]
+        # Results: every array the launch writes. Pure outputs are the None ones (Warp's null array: an empty
+        # output) and those every thread provably stores whole; the bridge zeroes (or fully overwrites) them.
+        # Every other result is in-out, updated from its previous value, and stays where it is among the inputs.
+        pure = [i for i, (p, value) in enumerate(zip(params, args)) if written[i] and (value is None or (
+            not uses[p.label].reads and fully_written(kernel, p.label) and tuple(value.shape) == dims))]
+        if pure != list(range(len(params) - len(pure), len(params))):
+            # The bridge returns the trailing parameters as pure outputs: move these to the end.
+            order = [i for i in range(len(params)) if i not in pure] + pure
+            try:
+                kernel = with_parameters_reordered(kernel, tuple(params[i].label for i in order))
+            except Exception:  # noqa: BLE001 - no source to regenerate: only the trailing run stays pure
+                order = list(range(len(params)))
+                while pure and pure[0] != len(params) - len(pure):
+                    pure.pop(0)
+            args, written, is_array = ([seq[i] for i in order] for seq in (args, written, is_array))
+            params = kernel.adj.args  # the reordered kernel's (in `order`)
+            pure = list(range(len(params) - len(pure), len(params)))
+        first_output = len(params) - len(pure)
+        in_out = [p.label for i, p in enumerate(params[:first_output]) if written[i]]
+        none_in_out = [p.label for p, v in zip(params[:first_output], args[:first_output]) if p.label in in_out and v is None]
+        if none_in_out:
+            raise TypeError(
+                f"warpnn.trace: kernel '{kernel.key}' was launched with None for {none_in_out}, which it may update "
+                "in place (an in-out argument); pass an array (an empty one if the kernel tests for a null array)."
+            )
         call_inputs = []
-        for i, (p, value) in enumerate(zip(params[:pure], args[:pure])):
+        for i, (p, value) in enumerate(zip(params[:first_output], args[:first_output])):
             if not is_array[i]:
                 if hasattr(value, "_cls"):  # a wp.struct: the bridge takes a dict of its fields
                     call_inputs.append(("struct", self._struct_spec(value, p.label)))
@@ -420,24 +426,19 @@ class _Recorder:
                 call_inputs.append(("none", None))
             else:
                 call_inputs.append(("array", self.touch(value, p.label)))
+        # The call returns the in-out arrays' new values first (in signature order), then the pure outputs.
         results, output_dims = [], []
-        for i, (p, value) in enumerate(zip(params[first:], args[first:]), start=first):
+        for i in [j for j, p in enumerate(params[:first_output]) if p.label in in_out] + pure:
+            p, value = params[i], args[i]
             if value is None:
                 results.append((None, p.label))
-                if i >= pure:
-                    output_dims.append((p.label, self._empty_shape(p.type)))
+                output_dims.append((p.label, self._empty_shape(p.type)))
                 continue
             key = self.touch(value, p.label)
-            if i >= pure:
+            if i >= first_output:
                 output_dims.append((p.label, self.arrays[key].shape))
             results.append((key, p.label))
-        if in_out and any(v is None for v in args[first:pure]):
-            none = [p.label for p, v in zip(params[first:pure], args[first:pure]) if v is None]
-            raise TypeError(
-                f"warpnn.trace: kernel '{kernel.key}' was launched with None for {none}, which it may update in "
-                "place (an in-out argument); pass an array (an empty one if the kernel tests for a null array)."
-            )
-        self.ops.append(_Launch(kernel, dims, block_dim or None, len(params) - first, tuple(in_out),
+        self.ops.append(_Launch(kernel, dims, block_dim or None, len(results), tuple(in_out),
                                 tuple(call_inputs), tuple(results), tuple(output_dims)))
 
     def _struct_spec(self, value, label):
