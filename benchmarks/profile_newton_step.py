@@ -1,0 +1,69 @@
+"""Where a small Newton rollout step goes on the GPU: device work against wall time, warpnn vs Newton captured.
+
+For the ``benchmarks.newton_rollout`` scene at ``--particles`` (default 1024), one ``jax.profiler`` trace each of
+warpnn's forward rollout (``lax.scan``, ``--unroll``) and of Newton's own forward loop replayed from one
+``wp.ScopedCapture`` graph, over ``--steps`` steps. Per rollout step it prints the wall time, the device time
+(kernels, memsets and copies on the GPU's streams) and the device operations by name (count and µs). The wall
+time less the device time is what launching costs: gaps between graph nodes, the loop's bookkeeping.
+
+    python -m benchmarks.profile_newton_step [--particles 1024] [--steps 50] [--unroll 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import warp as wp
+
+from .common import trace_events
+from .newton_rollout import _NewtonRollout, _scene, _warpnn_cases
+
+wp.config.quiet = True
+
+
+def _per_step(device: dict, calls: int, steps: int) -> dict[str, tuple[float, float]]:
+    """(operations, µs) per rollout step for each device operation name, the busiest first."""
+    rows = {name: (len(d) / calls / steps, sum(d) / calls / steps / 1e3) for name, d in device.items()}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
+
+
+def profile(particles: int, steps: int, unroll: int, calls: int = 5) -> dict[str, dict]:
+    on_gpu = jax.default_backend() == "gpu"
+    device = "cuda:0" if on_gpu else "cpu"
+    scene = _scene(particles, device, requires_grad=True)
+    _, cases = _warpnn_cases(scene, steps, 5e-4, (unroll,))
+    forward, args = cases[f"warpnn fwd{'' if unroll == 1 else f', unroll={unroll}'}"]
+    runs = {f"warpnn fwd, unroll={unroll}": lambda: forward(*args)}
+    if on_gpu:
+        newton_loop = _NewtonRollout(scene, steps, 5e-4, device)
+        runs["Newton fwd captured"] = lambda: newton_loop.run("fwd", True)
+    report = {}
+    for name, fn in runs.items():
+        _, events, wall = trace_events(fn, calls=calls)
+        ops = _per_step(events, calls, steps)
+        report[name] = {
+            "wall_us": wall / calls / steps * 1e6,
+            "device_us": sum(us for _, us in ops.values()),
+            "device_ops": sum(n for n, _ in ops.values()),
+            "ops": ops,
+        }
+    return report
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--particles", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--unroll", type=int, default=10)
+    args = parser.parse_args(argv)
+    for name, r in profile(args.particles, args.steps, args.unroll).items():
+        print(f"\n## {name}: wall {r['wall_us']:.1f} µs per step, device {r['device_us']:.1f} µs in "
+              f"{r['device_ops']:.1f} operations (the profiler's own overhead is in the wall time)")
+        print("| device operation | per step | µs per step |\n|---|---|---|")
+        for op, (count, us) in r["ops"].items():
+            print(f"| `{op[:90]}` | {count:.2f} | {us:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
