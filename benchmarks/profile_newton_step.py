@@ -4,7 +4,10 @@ For the ``benchmarks.newton_rollout`` scene at ``--particles`` (default 1024), o
 warpnn's forward rollout (``lax.scan``, ``--unroll``) and of Newton's own forward loop replayed from one
 ``wp.ScopedCapture`` graph, over ``--steps`` steps. Per rollout step it prints the wall time, the device time
 (kernels, memsets and copies on the GPU's streams) and the device operations by name (count and µs). The wall
-time less the device time is what launching costs: gaps between graph nodes, the loop's bookkeeping.
+time less the device time is what launching costs: gaps between graph nodes, the loop's bookkeeping. It also
+times back-to-back calls without the profiler, and counts warpnn's handler entries per rollout call, keeping each call's result alive until the next call returns
+and dropping it first: 0 means XLA replayed the whole rollout from its recorded CUDA graphs; every re-recording
+of a command buffer enters the handler of each FFI call in it again.
 
     python -m benchmarks.profile_newton_step [--particles 1024] [--steps 50] [--unroll 10]
 """
@@ -16,7 +19,9 @@ import argparse
 import jax
 import warp as wp
 
-from .common import trace_events
+from warpnn import _launch
+
+from .common import time_call, trace_events
 from .newton_rollout import _NewtonRollout, _scene, _warpnn_cases
 
 wp.config.quiet = True
@@ -39,6 +44,21 @@ def profile(particles: int, steps: int, unroll: int, calls: int = 5) -> dict[str
         newton_loop = _NewtonRollout(scene, steps, 5e-4, device)
         runs["Newton fwd captured"] = lambda: newton_loop.run("fwd", True)
     report = {}
+    for keep in (True, False):
+        out = jax.block_until_ready(forward(*args))
+        before = sum(_launch.LAUNCHER.handler_entries.values())
+        for _ in range(calls):
+            if not keep:
+                out = None  # the previous result's buffers are free for this call
+            out = jax.block_until_ready(forward(*args))
+        del out
+        entries = (sum(_launch.LAUNCHER.handler_entries.values()) - before) / calls
+        print(f"warpnn fwd, unroll={unroll}: {entries:.1f} handler entries per rollout call "
+              f"({'previous result alive' if keep else 'previous result dropped'})", flush=True)
+    # Back-to-back calls, each result dropped before the next call (time_call): the steady state of a loop
+    # that calls one rollout again and again, where XLA finds the same buffers each time.
+    for name, fn in runs.items():
+        print(f"{name}: {time_call(fn, reps=20) / steps * 1e6:.1f} µs per step, back-to-back calls", flush=True)
     for name, fn in runs.items():
         _, events, wall = trace_events(fn, calls=calls)
         ops = _per_step(events, calls, steps)
