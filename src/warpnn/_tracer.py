@@ -669,6 +669,13 @@ def trace(
     ``fn`` runs once, for real, on the arrays' device; afterwards every array it touched is restored to its
     contents before the call, so tracing changes no data the caller holds.
 
+    Each launch becomes one ``warpnn.jax_kernel`` call whose results are the arrays the kernel writes. An array
+    every thread provably stores whole is a pure output (no operand, nothing copied); any other written array
+    is in-out, updated from its previous value as Warp updates it (accumulations, conditional stores). Where a
+    pure output precedes another result in the kernel's signature, the replay launches the kernel with its
+    parameters reordered (same body), since ``jax_kernel`` takes pure outputs at the end. ``describe()`` lists
+    each launch's results (``name =``: pure output, ``name updated``: in-out).
+
     Args:
         fn: a function of no arguments that launches Warp kernels (close over the objects it needs).
         inputs: the arrays whose values the program takes as JAX arguments, by name. Every other array
