@@ -82,7 +82,7 @@ class _ArrayInfo:
 
 @dataclasses.dataclass(frozen=True)
 class _Launch:
-    """One kernel launch as a ``warpnn.jax_kernel`` call: the arguments ``params[first_result:]`` are its results.
+    """One kernel launch as a ``warpnn.jax_kernel`` call.
 
     Results are the arrays the launch writes: in-out arrays (passed in with their previous value, so the kernel
     updates it as Warp would: accumulations, stores under a condition, reads of the old value), and pure outputs:
