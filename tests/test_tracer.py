@@ -335,3 +335,16 @@ def test_struct_arguments_replay_and_differentiate():
     xs, k = jnp.linspace(1.0, 2.0, 5), jnp.full(5, 0.5)
     assert_close(program({"x": xs, "k": k})["f"], -1.5 * xs)
     assert_close(jax.grad(lambda k: program({"x": xs, "k": k})["f"].sum())(k), -3.0 * xs)
+
+
+@pytest.mark.skipif(not wp.is_cuda_available(), reason="needs a CUDA device next to the CPU")
+def test_launch_over_arrays_of_another_device_is_refused_before_it_runs():
+    # wp.launch without device= runs on Warp's default device (CUDA here) whatever the arrays' devices; over host
+    # arrays that is an illegal address on the GPU. The trace refuses it before Warp launches anything.
+    a, b = wp.zeros(4, dtype=float, device="cpu"), wp.zeros(4, dtype=float, device="cpu")
+    with wp.ScopedDevice("cuda:0"):
+        with pytest.raises(TypeError, match=r"scaled_copy.*launched on cuda:0.*argument 'a' is an array on cpu.*device='cpu'"):
+            warpnn.trace(lambda: wp.launch(scaled_copy, 4, inputs=[a, b, 2.0]), inputs={"a": a}, outputs={"b": b})
+    c = wp.zeros(4, dtype=float, device="cuda:0")  # the CUDA context still works
+    wp.launch(scaled_copy, 4, inputs=[c, c, 2.0], device="cuda:0")
+    wp.synchronize_device("cuda:0")

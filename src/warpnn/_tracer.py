@@ -524,12 +524,34 @@ def _recorder() -> _Recorder | None:
     return rec if rec is not None and rec.depth == 0 else None
 
 
+def _check_launch_device(kernel, device, args) -> None:
+    """Refuse a launch whose arrays live on another device than the launch's before Warp runs it.
+
+    ``wp.launch`` without ``device=`` runs on Warp's default device, whatever the arrays' devices, and Warp 1.19
+    does not check by default (``wp.config.launch_array_access_mode``): a CUDA launch over host arrays reads host
+    pointers on the GPU (an illegal address, which leaves the CUDA context unusable for the rest of the process).
+    Pinned host arrays are readable from a GPU and pass.
+    """
+    target = wp.get_device(device)
+    for i, arr in enumerate(args):
+        if isinstance(arr, wp.array) and arr.device != target and not (target.is_cuda and arr.pinned):
+            name = kernel.adj.args[i].label if isinstance(kernel, wp.Kernel) and i < len(kernel.adj.args) else f"#{i}"
+            raise TypeError(
+                f"warpnn.trace: kernel '{getattr(kernel, 'key', kernel)}' is launched on {target} but its argument "
+                f"'{name}' is an array on {arr.device}. Warp would run the launch on {target} over that array's "
+                f"memory without checking (on a GPU an illegal address that ends the CUDA context). Fix: pass "
+                f"device='{arr.device}' to wp.launch, or create the arrays on {target} (e.g. model.finalize(device=...))."
+            )
+
+
 def _hooked_launch(*args, **kwargs):
     rec = _recorder()
     if rec is not None:
         bound = _LAUNCH_SIG.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
+        device = a["stream"].device if a["stream"] is not None else a["device"]  # as wp.launch decides it
+        _check_launch_device(a["kernel"], device, [*a["inputs"], *a["outputs"]])
         rec.launch(a["kernel"], a["dim"], a["inputs"], a["outputs"], a["adjoint"], a["block_dim"])
         with rec.suspended():
             return _ORIGINAL["launch"](*args, **kwargs)
