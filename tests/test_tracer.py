@@ -290,6 +290,10 @@ def test_array_stored_whole_before_an_in_out_one_is_a_pure_output(monkeypatch):
         single = program({"x": xs[b], "v": v0})
         assert_close(batched["x"][b], single["x"], rtol=1e-6, atol=1e-7)
         assert_close(batched["v"][b], single["v"], rtol=1e-6, atol=1e-7)
+    with warpnn.checked():  # checked mode's variant of the reordered kernel
+        guarded = jax.jit(lambda x, v: program({"x": x, "v": v}))(x0, v0)
+    np.testing.assert_array_equal(np.asarray(guarded["x"]), np.asarray(out["x"]))
+    np.testing.assert_array_equal(np.asarray(guarded["v"]), np.asarray(out["v"]))
 
 
 def test_inputs_checked():
