@@ -341,6 +341,31 @@ def test_struct_arguments_replay_and_differentiate():
     assert_close(jax.grad(lambda k: program({"x": xs, "k": k})["f"].sum())(k), -3.0 * xs)
 
 
+def test_without_a_reordered_kernel_a_pure_output_before_an_in_out_one_stays_in_out(monkeypatch):
+    # Where the kernel cannot be regenerated with its parameters reordered, x_new stays an in-out array (its old
+    # value passed in and fully overwritten): slower, and exactly as right.
+    from warpnn import _tracer
+
+    def no_source(kernel, order):
+        raise OSError("no source")
+
+    monkeypatch.setattr(_tracer, "with_parameters_reordered", no_source)
+    rng = np.random.default_rng(5)
+    x, v = (wp.array(rng.normal(size=(N, 3)), dtype=wp.vec3) for _ in range(2))
+    x_new, v_new = (wp.array(rng.normal(size=(N, 3)), dtype=wp.vec3) for _ in range(2))
+    active = wp.array(np.array([1, 1, 0, 1]), dtype=int)
+
+    def fn():
+        wp.launch(integrate_active, N, inputs=[x, v, active, DT], outputs=[x_new, v_new])
+
+    program = warpnn.trace(fn, inputs={"x": x, "v": v}, outputs={"x": x_new, "v": v_new})
+    assert program.describe() == "launch integrate_active dims (4,): x_new updated, v_new updated"
+    out = program({"x": jnp.asarray(x.numpy()), "v": jnp.asarray(v.numpy())})
+    fn()
+    assert_close(out["x"], x_new.numpy(), rtol=1e-6, atol=1e-7)
+    assert_close(out["v"], v_new.numpy(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.skipif(not wp.is_cuda_available(), reason="needs a CUDA device next to the CPU")
 def test_launch_over_arrays_of_another_device_is_refused_before_it_runs():
     # wp.launch without device= runs on Warp's default device (CUDA here) whatever the arrays' devices; over host
