@@ -331,10 +331,10 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
         *([f"{BATCH_PREFIX}b = {BATCH_PREFIX}bl + {FIRST_BATCH}"] if batched else []),
         f"{BATCH_PREFIX}t0 = {BATCH_PREFIX}r0 + {FIRST_ROW}",
     ]
-    body_source = ast.unparse(ast.Module(body=flat_body, type_ignores=[]))
     if inner_loop:
-        body_source = ast.unparse(ast.Module(body=[_ReturnToContinue().visit(x) for x in flat_body], type_ignores=[]))
+        flat_body = [_ReturnToContinue().visit(x) for x in flat_body]
         prologue.append(f"for {BATCH_PREFIX}t{kernel_dim - 1} in range({INNER}):")
+    body_source = ast.unparse(ast.Module(body=flat_body, type_ignores=[]))
     new_params = [f"{n}{_ARRAY_SUFFIX}" if n in arrays else n for n in params] + [FIRST_BATCH, FIRST_ROW]
     new_params += [INNER] if inner_loop else []
     suffix = "__warpnn_batched" if batched else "__warpnn_rows"

@@ -55,7 +55,6 @@ FORWARD_MODE_MESSAGE = (
 )
 
 
-
 def _is_float(arg) -> bool:
     """Whether a Warp FFI argument is a float array (float16/32/64, bfloat16), i.e. has a gradient."""
     return arg.is_array and jnp.issubdtype(np.dtype(arg.jax_scalar_type), jnp.inexact)

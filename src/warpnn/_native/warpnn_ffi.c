@@ -164,7 +164,7 @@ typedef struct TwinLayout {
     int32_t kernel_dim; /* the twin's wp.tid() rank: the original's + batched */
     int64_t tid_limit;
     int32_t bounds_size, bounds_size_offset, bounds_coord_mult_offset;
-    int32_t args_size;                            /* the original struct + the two offsets */
+    int32_t args_size;                            /* the original struct + the twin's int32 fields */
     int32_t first_batch_offset, first_row_offset; /* int32 fields: batch / first-coordinate offsets */
     int32_t inner_offset; /* >= 0: the row-loop twin, which loops over the last launch dim itself; its extent goes in
                            * this int32 field, and the launch covers the other dims (-1: none) */
