@@ -335,36 +335,32 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
         flat_body = [_ReturnToContinue().visit(x) for x in flat_body]
         prologue.append(f"for {BATCH_PREFIX}t{kernel_dim - 1} in range({INNER}):")
     body_source = ast.unparse(ast.Module(body=flat_body, type_ignores=[]))
-    new_params = [f"{n}{_ARRAY_SUFFIX}" if n in arrays else n for n in params] + [FIRST_BATCH, FIRST_ROW]
-    new_params += [INNER] if inner_loop else []
-    suffix = "__warpnn_batched" if batched else "__warpnn_rows"
-    name = f"{fn.name}{suffix}"
-    source = "\n".join([
-        f"def {name}({', '.join(new_params)}):",
-        *("    " + line for line in prologue),
-        textwrap.indent(body_source, "        " if inner_loop else "    "),
-    ]) + "\n"
-
-    func = _stub_function(kernel.func, name, new_params)
-    func.__annotations__ = {
+    annotations = {  # the twin's parameters, in order
         **{f"{n}{_ARRAY_SUFFIX}" if n in arrays else n: (_array_type(arg_types[n], 1) if n in arrays else arg_types[n]) for n in params},
         FIRST_BATCH: int,
         FIRST_ROW: int,
         **({INNER: int} if inner_loop else {}),
     }
-    module = _module_of_its_own(kernel, suffix[2:])
-    twin = wp.Kernel(func, key=f"{kernel.key}{suffix}", module=module, options=dict(kernel.options), source=source)
+    suffix = "__warpnn_batched" if batched else "__warpnn_rows"
+    name = f"{fn.name}{suffix}"
+    source = "\n".join([
+        f"def {name}({', '.join(annotations)}):",
+        *("    " + line for line in prologue),
+        textwrap.indent(body_source, "        " if inner_loop else "    "),
+    ]) + "\n"
+    twin = _kernel_from_source(kernel, source, name, annotations, key=f"{kernel.key}{suffix}", kind=suffix[2:])
     return Twin(twin, kernel_dim, batched, inner_loop)
 
 
-def _module_of_its_own(kernel, kind: str):
-    """A Warp module for a kernel generated from ``kernel``, with the options of ``kernel``'s module.
-
-    Adding the generated kernel to ``kernel``'s own module would rebuild and unload the code already loaded.
-    """
+def _kernel_from_source(kernel, source: str, name: str, annotations: dict, key: str, kind: str):
+    """A Warp kernel built from ``source`` (a function ``name`` whose parameters are ``annotations``' keys, in
+    order), resolving names as ``kernel`` does, with ``kernel``'s options, in a module of its own (``kind``):
+    adding it to ``kernel``'s module would rebuild and unload the code already loaded."""
+    func = _stub_function(kernel.func, name, list(annotations))
+    func.__annotations__ = dict(annotations)
     module = wp.get_module(f"{kind}.{kernel.module.name}.{kernel.key}")
     module.options.update({k: v for k, v in kernel.module.options.items() if k in module.options})
-    return module
+    return wp.Kernel(func, key=key, module=module, options=dict(kernel.options), source=source)
 
 
 _REORDERED: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
@@ -391,10 +387,8 @@ def with_parameters_reordered(kernel, order: tuple[str, ...]):
         name = f"{fn.name}__warpnn_reordered"
         body_source = ast.unparse(ast.Module(body=copy.deepcopy(fn.body), type_ignores=[]))
         source = f"def {name}({', '.join(order)}):\n" + textwrap.indent(body_source, "    ") + "\n"
-        func = _stub_function(kernel.func, name, list(order))
-        func.__annotations__ = {n: arg_types[n] for n in order}
-        module = _module_of_its_own(kernel, "warpnn_reordered")
-        reordered = wp.Kernel(func, key=kernel.key, module=module, options=dict(kernel.options), source=source)
+        reordered = _kernel_from_source(kernel, source, name, {n: arg_types[n] for n in order}, key=kernel.key,
+                                        kind="warpnn_reordered")
         _REORDERED[(id(kernel), order)] = (kernel, reordered)
         return reordered
 
