@@ -85,6 +85,33 @@ def trace_events(fn: Callable, *args, calls: int = 5) -> tuple[dict, dict, float
     return dict(host), dict(device), wall
 
 
+def trace_timeline(fn: Callable, *args, calls: int = 3) -> tuple[list, list]:
+    """Run ``fn(*args)`` ``calls`` times (after two warm-up calls) under ``jax.profiler``; return the events as
+    ``(host, device)`` lists of ``(start_ns, end_ns, name)`` sorted by start, on one clock: host events are XLA
+    executing operations (and Python's), device events the kernels, memsets and copies on the GPU's streams."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        data = ProfileData.from_file(sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))[-1])
+    host, device = [], []
+    for plane in data.planes:
+        on_device = plane.name.startswith("/device:")
+        if not (on_device or plane.name == "/host:CPU"):
+            continue
+        for line in plane.lines:
+            if on_device and not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                if not event.name.startswith("end: "):
+                    (device if on_device else host).append((event.start_ns, event.end_ns, event.name))
+    return sorted(host), sorted(device)
+
+
 def device_time(fn: Callable, *args, calls: int = 5) -> float | None:
     """Seconds of device work (kernels, memsets, copies) per call of ``fn``; None where no device trace."""
     _, device, _ = trace_events(fn, *args, calls=calls)

@@ -21,7 +21,7 @@ import warp as wp
 
 from warpnn import _launch
 
-from .common import time_call, trace_events
+from .common import time_call, trace_events, trace_timeline
 from .newton_rollout import _NewtonRollout, _scene, _warpnn_cases
 
 wp.config.quiet = True
@@ -31,6 +31,36 @@ def _per_step(device: dict, calls: int, steps: int) -> dict[str, tuple[float, fl
     """(operations, µs) per rollout step for each device operation name, the busiest first."""
     rows = {name: (len(d) / calls / steps, sum(d) / calls / steps / 1e3) for name, d in device.items()}
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
+
+
+def idle_gaps(fn, calls: int = 3, top: int = 8, min_gap_us: float = 3.0) -> None:
+    """Print where the device waits within one call of ``fn``: per call the span from the first device operation
+    to the last, its busy time and its idle gaps; then the longest gaps, with the device operations on either
+    side and the host events (XLA executing operations) that overlap each."""
+    host, device = trace_timeline(fn, calls=calls)
+    if not device:
+        print("no device events (CPU): no gaps to show")
+        return
+    # one call's device operations: split where the device idles longer than any gap inside a call could be
+    # (block_until_ready returns to Python between calls), i.e. at the calls - 1 longest gaps
+    gaps = [(device[k + 1][0] - device[k][1], k) for k in range(len(device) - 1)]
+    cuts = sorted(k for _, k in sorted(gaps, reverse=True)[: calls - 1])
+    bounds = [0, *[k + 1 for k in cuts], len(device)]
+    found = []
+    for c in range(calls):
+        ops = device[bounds[c]:bounds[c + 1]]
+        span = (ops[-1][1] - ops[0][0]) / 1e3
+        busy = sum(e - s for s, e, _ in ops) / 1e3
+        inner = [((ops[k + 1][0] - ops[k][1]) / 1e3, ops[k], ops[k + 1]) for k in range(len(ops) - 1)]
+        idle = [g for g in inner if g[0] >= min_gap_us]
+        print(f"call {c}: {len(ops)} device operations over {span:.1f} µs, busy {busy:.1f} µs; "
+              f"{len(idle)} gaps of ≥ {min_gap_us:g} µs, {sum(g for g, _, _ in idle):.1f} µs in all")
+        found += idle
+    for gap, before, after in sorted(found, key=lambda g: -g[0])[:top]:
+        overlapping = [(min(e, after[0]) - max(s, before[1]), name) for s, e, name in host
+                       if s < after[0] and e > before[1]]
+        busiest = ", ".join(f"{name[:60]} ({o / 1e3:.1f} µs)" for o, name in sorted(overlapping, reverse=True)[:4])
+        print(f"  gap {gap:6.1f} µs after `{before[2][:50]}`, before `{after[2][:50]}`; host: {busiest or '—'}")
 
 
 def profile(particles: int, steps: int, unroll: int, calls: int = 5) -> dict[str, dict]:
@@ -59,6 +89,9 @@ def profile(particles: int, steps: int, unroll: int, calls: int = 5) -> dict[str
     # that calls one rollout again and again, where XLA finds the same buffers each time.
     for name, fn in runs.items():
         print(f"{name}: {time_call(fn, reps=20) / steps * 1e6:.1f} µs per step, back-to-back calls", flush=True)
+    for name, fn in runs.items():
+        print(f"\n{name}: where the device idles", flush=True)
+        idle_gaps(fn)
     for name, fn in runs.items():
         _, events, wall = trace_events(fn, calls=calls)
         ops = _per_step(events, calls, steps)

@@ -759,7 +759,17 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
             "the gradient with jax.lax.stop_gradient if you only need its forward pass."
         )
     unused = frozenset(s.name for s in sig.outputs if s.is_float and isinstance(cts[s.name], SymbolicZero))
-    if unused and type(sig) is KernelSignature:  # (checked mode's signatures keep their own kernel)
+    if unused and type(sig) is not KernelSignature:
+        unused = frozenset()  # (checked mode's signatures keep their own kernel)
+    # Elementwise input -> output pairs compute the input's adjoint in the output's cotangent buffer (no zeroed
+    # adjoint, no copy into a scan's carry): see KernelSignature.in_place_adjoint_candidates.
+    shapes = {**{s.name: a.shape for s, a in zip(sig.array_inputs, arrays)},
+              **{s.name: shape for s, shape in zip(sig.outputs, plan.output_shapes) if s.name not in unused}}
+    in_place = sig.adjoints_in_place_for(shapes, plan.launch_dims)
+    if in_place:
+        plan = dataclasses.replace(plan, sig=sig.variant(adjoints_in_place=in_place))
+        sig = plan.sig
+    if unused:
         # Outputs with a zero cotangent are left out of the adjoint (their 0 * inf would be NaN): _pruned.py.
         plan = dataclasses.replace(plan, sig=_pruned.without_outputs(sig, unused))
         sig = plan.sig
@@ -769,11 +779,16 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     ct_of = dict(zip((s.name for s in sig.float_results), float_cts))
     carried = {s.name for s in sig.carried_adjoints}
     # The primal slot of a pure output: its value before the launch where the kernel reads it (zeros: outputs
-    # are zeroed first), else any buffer of its shape (the cotangent; Warp does not read it).
-    outputs = [out if out is not None else (jnp.zeros_like(ct_of[s.name]) if s.name in carried else ct_of[s.name])
+    # are zeroed first), else any buffer of its shape that is not aliased: Warp does not read it (the cotangent,
+    # or for an in-place pair the input's value: the handler addresses that output as its grad instead).
+    input_of = {y: x for x, y in sig.adjoints_in_place}
+    array_of = dict(zip((s.name for s in sig.array_inputs), arrays))
+    outputs = [out if out is not None else array_of[input_of[s.name]] if s.name in input_of
+               else jnp.zeros_like(ct_of[s.name]) if s.name in carried else ct_of[s.name]
                for s, out in zip(sig.outputs, kept)]
     adjoints = _first_order_only(plan, True, *arrays, *outputs, *float_cts)
     by_name = dict(zip((s.name for s in (*sig.adjoint_inputs, *sig.carried_adjoints)), adjoints))
+    by_name.update({x: by_name[y] for x, y in sig.adjoints_in_place})
     constant = sig.constant_inputs
     return tuple(None if spec.name in constant else by_name.get(spec.name) for spec in sig.array_inputs)
 

@@ -280,6 +280,7 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
         adjoints = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(returned)}
         primal = {**inputs, **outputs}
         grads = {s.name: adjoints[s.name] for s in sig.carried_adjoints}
+        adjoints.update({x: adjoints[y] for x, y in sig.adjoints_in_place})  # in the output's carried adjoint
         # Warp's adjoint of a struct's array field accumulates into the field's `grad` (as wp.Tape sets it up)
         grads.update({s.name: adjoints[s.name] for s in sig.adjoint_inputs if "." in s.name})
         # ... and so does its adjoint of a row view (`r = a[i]`): into the viewed array's `grad`

@@ -295,6 +295,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
     returned = (*sig.adjoint_inputs, *sig.carried_adjoints)
     adjoint_result = {s.name: m for m, s in enumerate(returned)}
     carried = {s.name for s in sig.carried_adjoints}
+    carrier = dict(sig.adjoints_in_place)
+    paired_outputs = set(carrier.values())
     rows, attr_names = [], []
     for i, s in enumerate(params):
         offset = field_offset(s)
@@ -313,6 +315,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
             fwd = adj = operand[s.name] + 1
         if s.name in adjoint_result:
             grad = -(adjoint_result[s.name] + 1)
+        elif s.name in carrier:  # an in-place pair's input: its adjoint is the output's carried adjoint
+            grad = -(adjoint_result[carrier[s.name]] + 1)
         elif s.name in cotangent and s.name in sig.output_names:
             grad = cotangent[s.name] + 1  # Warp reads an output's adjoint: its cotangent, unmodified
         else:
@@ -321,7 +325,11 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         if s.dtype.itemsize * inner != wc.type_size_in_bytes(s.warp_dtype):
             raise NativeUnavailable(f"kernel '{sig.key}', argument '{s.name}': element size mismatch")
         fully_written = int(s.name in sig.outputs_fully_written)
-        preset = (1 if s.name in sig.in_out_names else 0) | (2 if s.name in carried else 0)
+        # preset bit 4: the adjoint never touches this output's primal values (an in-place pair's output, whose
+        # slot holds some other buffer of its shape): the handler addresses them as its grad buffer, so that
+        # both are batched alike
+        preset = ((1 if s.name in sig.in_out_names else 0) | (2 if s.name in carried or s.name in carrier else 0)
+                  | (4 if s.name in paired_outputs else 0))
         # carried adjoints, and struct fields (Warp's adjoint of a struct's array accumulates into its `grad`)
         # and arrays read through row views (Warp's adjoint of a view accumulates into the viewed array's `grad`)
         grad_alias = int(s.name in carried or (s.name in adjoint_result and ("." in s.name or sig.uses[s.name].viewed)))

@@ -131,6 +131,9 @@ class KernelSignature:
     constant_inputs: frozenset[str] = frozenset()
     # Array inputs passed as None: Warp gets a null array (no operand, no adjoint).
     null_inputs: frozenset[str] = frozenset()
+    # (input, output) pairs whose input adjoint the adjoint call computes in the output's cotangent buffer
+    # (see ``adjoints_in_place_for``). Set only on the variants ``variant`` returns.
+    adjoints_in_place: tuple[tuple[str, str], ...] = ()
 
     @property
     def key(self) -> str:
@@ -217,8 +220,9 @@ class KernelSignature:
     def adjoint_inputs(self) -> tuple[ArgSpec, ...]:
         """The inputs the adjoint call returns zero-initialised adjoints for: float arrays that are not in-out,
         less ``constant_inputs`` and ``null_inputs``."""
+        in_place = {x for x, _ in self.adjoints_in_place}
         return tuple(a for a in self.array_inputs if a.is_float and a.name not in self.constant_inputs
-                     and a.name not in self.in_out_names)
+                     and a.name not in self.in_out_names and a.name not in in_place)
 
     @functools.cached_property
     def carried_adjoints(self) -> tuple[ArgSpec, ...]:
@@ -228,13 +232,74 @@ class KernelSignature:
         the cotangent operand to it) and seen by Warp as the primal array's ``grad``, so that Warp's adjoint of a
         store zeroes the element it overwrote and the adjoint of a read adds to it: for an in-out array the
         result is the adjoint of its value before the launch. Float in-out arrays, and float outputs the kernel
-        reads or may store to twice.
+        reads or may store to twice; and the outputs of ``adjoints_in_place``, whose carried adjoint ends as their
+        input's adjoint.
         """
-        return tuple(a for a in self.float_results if a.name in self.in_out_names
+        in_place = {y for _, y in self.adjoints_in_place}
+        return tuple(a for a in self.float_results if a.name in self.in_out_names or a.name in in_place
                      or self.uses[a.name].reads or self.uses[a.name].may_store_twice)
 
-    def variant(self, constant_inputs: frozenset[str] | None = None, null_inputs: frozenset[str] | None = None) -> KernelSignature:
-        """This signature with other constant (non-differentiated) inputs or ``None`` inputs; one instance each.
+    @functools.cached_property
+    def in_place_adjoint_candidates(self) -> tuple[tuple[str, str], ...]:
+        """(input, output) pairs whose input's adjoint can be computed in the output's cotangent buffer.
+
+        The adjoint of an elementwise update ``y[i] = f(x[i])`` then runs in place, as an in-out array's does:
+        the cotangent buffer is aliased to the input's adjoint and seen by Warp as ``y``'s ``grad``; Warp's
+        adjoint of the store reads and zeroes ``y``'s element, then the reads of ``x`` add into the same
+        element. So the adjoint needs neither a zeroed buffer of its own nor (in a ``lax.scan``'s backward
+        loop) a copy of its result into the carry. That is exact when each thread touches only its own
+        element of both, every read of ``x`` comes before the store (Warp's reverse pass runs the store's
+        adjoint first), and the store is the one access of ``y``, on every path: a float input read only at
+        the thread's ``wp.tid()`` index, outside loops and @wp.funcs; a float output of the same type stored
+        once, at the top level, at that index, after those reads. Found conservatively in the source;
+        ``adjoints_in_place_for`` adds the conditions on shapes.
+        """
+        if self._base is not self:
+            return self._base.in_place_adjoint_candidates
+        private, _ = self.thread_private_arrays
+        fully_written = set(self.outputs_fully_written)
+
+        def plain(use: ArrayUse) -> bool:
+            return use.undecided is None and not use.viewed and bool(use.accesses) and all(
+                a.own_element and not a.loops and a.via is None for a in use.accesses)
+
+        pairs = []
+        for y in self.outputs:
+            use_y = self.uses[y.name]
+            if not (y.is_float and y.name in fully_written and y.name in private and plain(use_y)
+                    and len(use_y.accesses) == 1 and use_y.accesses[0].kind == "store" and use_y.accesses[0].top_level):
+                continue
+            for x in self.input_leaves:
+                use_x = self.uses.get(x.name)
+                if (x.is_array and x.is_float and "." not in x.name and x.name not in self.in_out_names
+                        and x.name in private and (x.warp_type.dtype, x.warp_ndim) == (y.warp_type.dtype, y.warp_ndim)
+                        and use_x is not None and plain(use_x) and all(a.kind == "read" for a in use_x.accesses)
+                        and max(a.order for a in use_x.accesses) < use_y.accesses[0].order):
+                    pairs.append((x.name, y.name))
+        return tuple(pairs)
+
+    def adjoints_in_place_for(self, shapes: dict[str, tuple[int, ...]], launch_dims: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
+        """The pairs of ``in_place_adjoint_candidates`` this call can use: each output with the first input
+        (in signature order) whose adjoint this call computes, of the output's shape, both covering the launch
+        (each element is one thread's); each input and output in one pair at most. ``shapes``: every array
+        input's and output's shape in this call (JAX's, per vmap element)."""
+        computed = {s.name for s in self.adjoint_inputs}
+        taken: set[str] = set()
+        pairs = []
+        by_name = {s.name: s for s in (*self.input_leaves, *self.outputs)}
+        for x, y in self.in_place_adjoint_candidates:
+            if x in taken or y in taken or x not in computed or shapes.get(x) != shapes.get(y):
+                continue
+            if tuple(shapes[y][: by_name[y].warp_ndim]) != tuple(launch_dims):
+                continue
+            pairs.append((x, y))
+            taken |= {x, y}
+        return tuple(pairs)
+
+    def variant(self, constant_inputs: frozenset[str] | None = None, null_inputs: frozenset[str] | None = None,
+                adjoints_in_place: tuple[tuple[str, str], ...] | None = None) -> KernelSignature:
+        """This signature with other constant (non-differentiated) inputs, ``None`` inputs or adjoints computed
+        in place (``adjoints_in_place_for``); one instance each.
 
         Constant inputs get a null adjoint array, and Warp's adjoint kernel skips the atomic adds into a null
         array, so an input that is not differentiated costs no memory traffic backward. Names of inputs that
@@ -243,13 +308,15 @@ class KernelSignature:
         differentiable = {a.name for a in self.input_leaves if a.is_array and a.is_float}
         constant = self.constant_inputs if constant_inputs is None else frozenset(constant_inputs) & differentiable
         nulls = self.null_inputs if null_inputs is None else frozenset(null_inputs)
-        if constant == self.constant_inputs and nulls == self.null_inputs:
+        in_place = self.adjoints_in_place if adjoints_in_place is None else tuple(adjoints_in_place)
+        if (constant, nulls, in_place) == (self.constant_inputs, self.null_inputs, self.adjoints_in_place):
             return self
         base = self._base
-        key = (constant, nulls)
+        key = (constant, nulls, in_place)
         found = base._variants.get(key)
         if found is None:
-            found = base._variants[key] = dataclasses.replace(base, constant_inputs=constant, null_inputs=nulls)
+            found = base._variants[key] = dataclasses.replace(base, constant_inputs=constant, null_inputs=nulls,
+                                                              adjoints_in_place=in_place)
             found.__dict__["_base"] = base
         return found
 
@@ -263,7 +330,7 @@ class KernelSignature:
         return self
 
     @functools.cached_property
-    def _variants(self) -> dict[tuple[frozenset[str], frozenset[str]], KernelSignature]:
+    def _variants(self) -> dict[tuple[frozenset[str], frozenset[str], tuple[tuple[str, str], ...]], KernelSignature]:
         return {}
 
     @property

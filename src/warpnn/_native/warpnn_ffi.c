@@ -87,7 +87,8 @@ enum {
     P_FULLY_WRITTEN, /* outputs: every thread stores its own wp.tid() element, so a launch over the output's
                         own Warp shape writes it all and needs no zeroing first */
     P_PRESET,        /* bit m: in mode m (0 forward, 1 adjoint) this parameter's result starts as an operand
-                        (XLA aliases them: in-out arrays, carried adjoints) and is never zeroed */
+                        (XLA aliases them: in-out arrays, carried adjoints) and is never zeroed; bit 4: the
+                        adjoint never touches the primal values of this output, addressed as its grad */
     P_GRAD_ALIAS,    /* adjoint: the primal array's `grad` is its adjoint buffer, so Warp's adjoint of a store
                         zeroes the overwritten element's adjoint, as under wp.Tape */
     P_PARAM_START,   /* 1: the row's field starts a kernel parameter (0: a later field of the same wp.struct).
@@ -1403,6 +1404,16 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
                 FAIL(XLA_FFI_Error_Code_INTERNAL, "warpnn: kernel '%s': no buffers for the carried adjoint of "
                      "parameter %d", kname, (int)i);
             arrays[primal_array[i]].grad_from = adjoint_array[i];
+            if (p[P_PRESET] & 4) {
+                /* An output whose primal values the adjoint never touches (its slot holds some other buffer of its
+                 * shape): address it as its grad buffer, so that both are batched alike (a broadcast buffer in
+                 * the slot would otherwise keep the twin from addressing the grad through the primal's strides). */
+                ArraySlot* primal = &arrays[primal_array[i]];
+                const ArraySlot* grad = &arrays[adjoint_array[i]];
+                primal->base = grad->base;
+                memcpy(primal->batch_stride, grad->batch_stride, sizeof(primal->batch_stride));
+                primal->flat_stride = grad->flat_stride;
+            }
         }
 
     /* ---- the driver path, when this thread's context is the kernel's and the launch fits one grid */

@@ -1,0 +1,77 @@
+"""A/B of adjoints computed in place (``KernelSignature.in_place_adjoint_candidates``) in scans, against pure JAX.
+
+For an elementwise kernel ``y[i] = f(x[i])`` warpnn's adjoint call writes ``x``'s adjoint into ``y``'s
+cotangent buffer, where it used to zero a buffer of its own and XLA then copied that into the backward loop's
+carry. This times the two scan cases of ``benchmarks.bridge`` with the adjoint in place (the library's
+behaviour) and out of place, and pure JAX, in alternating rounds of one process, under this process's
+XLA_FLAGS; with the ops of each compiled loop body and warpnn's handler entries per step:
+
+    python -m benchmarks.profile_adjoint_in_place
+    XLA_FLAGS="--xla_gpu_graph_min_graph_size=1 --xla_cmd_buffer_trace_cache_size=1024" python -m benchmarks.profile_adjoint_in_place
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import warpnn
+from warpnn import _launch
+from warpnn._signature import KernelSignature
+
+from .bridge import N, SCAN_STEPS, _scan_grad, _trajectory_grad, affine, pure_jax
+from .common import time_interleaved
+from .profile_scan import loop_body_ops
+
+
+@contextlib.contextmanager
+def _in_place(enabled: bool):
+    """Trace with (the library's behaviour) or without in-place adjoints; compiled functions keep what they saw."""
+    saved = KernelSignature.adjoints_in_place_for
+    if not enabled:
+        KernelSignature.adjoints_in_place_for = lambda self, shapes, dims: ()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        KernelSignature.adjoints_in_place_for = saved  # type: ignore[method-assign]
+
+
+def _entries_per_step(fn, args, calls: int = 10) -> float:
+    jax.block_until_ready(fn(*args))
+    before = sum(_launch.LAUNCHER.handler_entries.values())
+    for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    return (sum(_launch.LAUNCHER.handler_entries.values()) - before) / (calls * SCAN_STEPS)
+
+
+def main(rounds: int = 3) -> None:
+    x = jnp.linspace(0.0, 1.0, N, dtype=jnp.float32)
+    xs = jnp.tile(x, (SCAN_STEPS, 1)) * 0.01
+    kernel = warpnn.jax_kernel(affine)
+    ours = lambda c: kernel(c)[0]  # noqa: E731
+    builders = {"scan step fwd+bwd": (_scan_grad, (x,)), "scan xs→ys step fwd+bwd": (_trajectory_grad, (x, xs))}
+    variants = (("warpnn", ours, True), ("warpnn, adjoint out of place", ours, False), ("pure JAX", pure_jax, True))
+    cases = {}
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; XLA_FLAGS={__import__('os').environ.get('XLA_FLAGS', '')!r}")
+    for case, (build, args) in builders.items():
+        for label, step, in_place in variants:
+            with _in_place(in_place):
+                compiled = jax.jit(build(step)).lower(*args).compile()
+            cases[(case, label)] = (compiled, args)
+            ops = ", ".join(f"{op} {n}" for op, n in sorted(loop_body_ops(compiled.as_text()).items()))
+            entries = _entries_per_step(compiled, args) if label != "pure JAX" else 0.0
+            print(f"  {case:24s} {label:30s} handler entries/step {entries:.3f}; loop bodies: {ops}")
+    print(f"µs per scan step (× pure JAX), {rounds} rounds")
+    for r in range(rounds):
+        times = time_interleaved(cases, rounds=10)
+        for (case, label), t in times.items():
+            ref = times[(case, "pure JAX")]
+            print(f"  round {r}  {case:24s} {label:30s} {t / SCAN_STEPS * 1e6:7.2f}  ({t / ref:.2f}×)")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

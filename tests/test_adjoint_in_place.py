@@ -1,0 +1,264 @@
+"""Adjoints computed in the output's cotangent buffer (``KernelSignature.in_place_adjoint_candidates``).
+
+For an elementwise ``y[i] = f(x[i])`` the adjoint call writes ``x``'s adjoint where ``y``'s cotangent was, as
+an in-out array's adjoint is carried: no zeroed adjoint buffer, and no copy into a ``lax.scan``'s backward
+carry. The adjoint's additions are the same, in the same order, so gradients must be bitwise those of the
+out-of-place adjoint (the variant without pairs), and match pure JAX.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import warp as wp
+
+import warpnn
+from warpnn import _batched, _launch
+from warpnn._signature import KernelSignature, signature_of
+
+from .helpers import assert_close
+from .kernels_for_tests import heat_step
+
+
+@wp.kernel
+def blend(x: wp.array(dtype=float), alpha: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = x[i] * alpha[i] + wp.sin(x[i])
+
+
+def blend_ref(x, alpha):
+    return x * alpha + jnp.sin(x)
+
+
+@wp.kernel
+def advance(x: wp.array(dtype=wp.vec3), v: wp.array(dtype=wp.vec3), dt: float,
+            x_new: wp.array(dtype=wp.vec3), v_new: wp.array(dtype=wp.vec3)):
+    i = wp.tid()
+    v1 = v[i] + wp.vec3(0.0, -9.8, 0.0) * dt - 0.1 * v[i] * wp.length(x[i])
+    x_new[i] = x[i] + v1 * dt
+    v_new[i] = v1
+
+
+def advance_ref(x, v, dt):
+    v1 = v + jnp.array([0.0, -9.8, 0.0]) * dt - 0.1 * v * jnp.linalg.norm(x, axis=-1, keepdims=True)
+    return x + v1 * dt, v1
+
+
+@wp.kernel
+def copy_then_double(x: wp.array(dtype=float), y: wp.array(dtype=float), z: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = x[i]
+    z[i] = 2.0 * x[i]  # x is read after y's store: only (x, z) can be a pair
+
+
+@wp.kernel
+def neighbour_sum(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = x[i] + x[(i + 1) % x.shape[0]]
+
+
+@wp.kernel
+def branch_stores(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    if x[i] > 0.0:
+        y[i] = x[i]
+    else:
+        y[i] = -x[i]
+
+
+@wp.kernel
+def reads_in_loop(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    acc = float(0.0)
+    for k in range(3):
+        acc += x[i] * float(k)
+    y[i] = acc
+
+
+@wp.kernel
+def reads_its_output(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = x[i]
+    y[i] = y[i] * 2.0
+
+
+@wp.kernel
+def to_double(x: wp.array(dtype=wp.float32), y: wp.array(dtype=wp.float64)):
+    i = wp.tid()
+    y[i] = wp.float64(x[i])
+
+
+@pytest.mark.parametrize("kernel, num_outputs, pairs", [
+    (blend, 1, (("x", "y"), ("alpha", "y"))),
+    (advance, 2, (("x", "x_new"), ("v", "x_new"), ("x", "v_new"), ("v", "v_new"))),
+    (copy_then_double, 2, (("x", "z"),)),
+    (neighbour_sum, 1, ()),
+    (branch_stores, 1, ()),
+    (reads_in_loop, 1, ()),
+    (reads_its_output, 1, ()),
+    (to_double, 1, ()),
+    (heat_step, 1, ()),
+])
+def test_candidates_are_found_conservatively_in_the_source(kernel, num_outputs, pairs):
+    assert signature_of(kernel, num_outputs).in_place_adjoint_candidates == pairs
+
+
+def test_each_input_and_output_pairs_once_and_only_at_matching_shapes():
+    sig = signature_of(advance, 2)
+    full = {"x": (8, 3), "v": (8, 3), "x_new": (8, 3), "v_new": (8, 3)}
+    assert sig.adjoints_in_place_for(full, (8,)) == (("x", "x_new"), ("v", "v_new"))
+    assert sig.adjoints_in_place_for({**full, "x_new": (9, 3)}, (8,)) == (("x", "v_new"),)
+    assert sig.adjoints_in_place_for(full, (4,)) == ()  # the launch covers part of the arrays
+    constant_x = sig.without_adjoints(frozenset({"x"}))
+    assert constant_x.adjoints_in_place_for(full, (8,)) == (("v", "x_new"),)
+
+
+@pytest.fixture
+def out_of_place(monkeypatch):
+    """Run a function with every adjoint out of place (the reference), with fresh traces either way."""
+
+    def run(fn):
+        jax.clear_caches()
+        with monkeypatch.context() as m:
+            m.setattr(KernelSignature, "adjoints_in_place_for", lambda self, shapes, dims: ())
+            result = jax.tree.map(np.asarray, fn())
+        jax.clear_caches()
+        return result
+
+    return run
+
+
+@pytest.fixture
+def pairs_used(monkeypatch):
+    """The pairs each adjoint traced since the fixture started used in place (outside ``out_of_place``)."""
+    used = []
+    choose = KernelSignature.adjoints_in_place_for
+
+    def recording(self, shapes, dims):
+        pairs = choose(self, shapes, dims)
+        used.append(pairs)
+        return pairs
+
+    monkeypatch.setattr(KernelSignature, "adjoints_in_place_for", recording)
+    return used
+
+
+def _adjoint_launches() -> int:
+    return _launch.LAUNCHER.impl.twins.kernel_launches()["adjoint"] if _launch.LAUNCHER.name == "native" else 0
+
+
+def _close(actual, expected, **tolerances):
+    jax.tree.map(lambda a, b: assert_close(a, b, **tolerances), actual, expected)
+
+
+def _bitwise(actual, expected):
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, actual), expected)
+
+
+def _blend_inputs(n=64, batch=None):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    shape = (n,) if batch is None else (batch, n)
+    return jax.random.normal(k1, shape), 0.5 + jax.random.uniform(k2, shape)
+
+
+@pytest.mark.parametrize("launcher", ["native", "python"])
+def test_single_call_gradient_is_bitwise_the_out_of_place_one(launcher, out_of_place):
+    x, alpha = _blend_inputs()
+    with _launch.use_launcher(launcher):
+        f = warpnn.jax_kernel(blend)
+        grad = lambda: jax.grad(lambda x, a: jnp.sum(f(x, a)[0] ** 2), argnums=(0, 1))(x, alpha)
+        expected = out_of_place(grad)
+        _bitwise(grad(), expected)
+    _close(expected, jax.grad(lambda x, a: jnp.sum(blend_ref(x, a) ** 2), argnums=(0, 1))(x, alpha))
+
+
+def test_vec3_pairs_in_a_scan_match_the_out_of_place_adjoint_and_pure_jax(out_of_place):
+    f = warpnn.jax_kernel(advance, num_outputs=2)
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 3))
+    v = jax.random.normal(jax.random.PRNGKey(2), (32, 3))
+
+    def rollout(step):
+        def loss(x, v):
+            (x, v), _ = jax.lax.scan(lambda c, _: (step(*c), None), (x, v), None, length=20)
+            return jnp.sum(x ** 2) + jnp.sum(jnp.sin(v))
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+    run = lambda: rollout(lambda x, v: tuple(f(x, v, 0.01)))(x, v)
+    expected = out_of_place(run)
+    _bitwise(run(), expected)
+    _close(expected, rollout(lambda x, v: advance_ref(x, v, 0.01))(x, v), rtol=1e-4, atol=1e-5)
+
+
+def _f32_copies(compiled_text: str) -> int:
+    return len(re.findall(r"= f32\[[\d,]*\]\{[^}]*\} copy\(", compiled_text))
+
+
+def test_the_scan_backward_has_one_copy_fewer(out_of_place):
+    f = warpnn.jax_kernel(blend)
+    x, alpha = _blend_inputs()
+
+    def loss(x):
+        y, _ = jax.lax.scan(lambda c, _: (f(c, alpha)[0], None), x, None, length=10)
+        return jnp.sum(y)
+
+    text = lambda: jax.jit(jax.grad(loss)).lower(x).compile().as_text()
+    assert _f32_copies(text()) == out_of_place(lambda: _f32_copies(text())) - 1  # the backward carry's copy
+
+
+@pytest.mark.parametrize("batched", ["both", "alpha only"])
+@pytest.mark.parametrize("mode", ["0", "twin"])
+def test_vmapped_gradients_match_the_out_of_place_adjoint(out_of_place, pairs_used, monkeypatch, batched, mode):
+    """Under vmap the pair's input may be shared (a broadcast operand) while its output is batched: its adjoint
+    is still per batch element, in the output's batched cotangent buffer."""
+    monkeypatch.setenv(_batched.BATCHED_ENV, mode)  # "0": per-element launches, "twin": the batched twin
+    x, alpha = _blend_inputs(batch=3)
+    if batched == "alpha only":
+        x = x[0]
+    f = warpnn.jax_kernel(blend)
+    in_axes = (0 if batched == "both" else None, 0)
+    loss = lambda x, a: jnp.sum(jnp.cos(f(x, a)[0]))
+    ref_loss = lambda x, a: jnp.sum(jnp.cos(blend_ref(x, a)))
+    per_element = lambda: jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=in_axes)(x, alpha)
+    of_sum = lambda: jax.grad(lambda x, a: jnp.sum(jax.vmap(loss, in_axes=in_axes)(x, a)), argnums=(0, 1))(x, alpha)
+    for run, ref in ((per_element, jax.vmap(jax.grad(ref_loss, argnums=(0, 1)), in_axes=in_axes)(x, alpha)),
+                     (of_sum, jax.grad(lambda x, a: jnp.sum(jax.vmap(ref_loss, in_axes=in_axes)(x, a)),
+                                       argnums=(0, 1))(x, alpha))):
+        launches = _adjoint_launches()
+        expected = out_of_place(run)
+        launches_out_of_place, launches = _adjoint_launches() - launches, _adjoint_launches()
+        _bitwise(run(), expected)
+        _close(expected, ref)
+        assert pairs_used == [(("x", "y"),)] * len(pairs_used) and pairs_used
+        if _launch.LAUNCHER.name == "native":  # the same launches: a shared input does not cost the twin
+            assert _adjoint_launches() - launches == launches_out_of_place == (1 if mode == "twin" else 3)
+        pairs_used.clear()
+
+
+def test_threaded_cpu_launches_agree(out_of_place):
+    if _launch.LAUNCHER.name != "native" or jax.default_backend() != "cpu":
+        pytest.skip("CPU threads are the native CPU handler's")
+    twins = _launch.LAUNCHER.impl.twins
+    saved = _batched._LAUNCH_CONFIG.get()
+    try:
+        twins.set_cpu_threads(3, 1)
+        x, alpha = _blend_inputs(n=4096)
+        f = warpnn.jax_kernel(blend)
+        run = lambda: jax.grad(lambda x, a: jnp.sum(f(x, a)[0] ** 2), argnums=(0, 1))(x, alpha)
+        before = twins.threaded_launches()
+        _bitwise(run(), out_of_place(run))
+        assert twins.threaded_launches() > before
+    finally:
+        twins.set_cpu_threads(*saved)
+        jax.clear_caches()
+
+
+def test_an_unused_output_leaves_the_other_pair(out_of_place):
+    f = warpnn.jax_kernel(copy_then_double, num_outputs=2)
+    x = jnp.linspace(-1.0, 1.0, 16)
+    for pick in (0, 1):
+        run = lambda: jax.grad(lambda x: jnp.sum(jnp.sin(f(x)[pick])))(x)
+        expected = out_of_place(run)
+        _bitwise(run(), expected)
+        _close(expected, jax.grad(lambda x: jnp.sum(jnp.sin((x, 2.0 * x)[pick])))(x))
