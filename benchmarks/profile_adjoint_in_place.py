@@ -6,20 +6,22 @@ carry. This times the two scan cases of ``benchmarks.bridge`` with the adjoint i
 behaviour) and out of place, and pure JAX, in alternating rounds of one process, under this process's
 XLA_FLAGS; with the ops of each compiled loop body and warpnn's handler entries per step:
 
-    python -m benchmarks.profile_adjoint_in_place
+    python -m benchmarks.profile_adjoint_in_place [--n 4096 16777216]
     XLA_FLAGS="--xla_gpu_graph_min_graph_size=1 --xla_cmd_buffer_trace_cache_size=1024" python -m benchmarks.profile_adjoint_in_place
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
 import warpnn
-from warpnn import _launch
+from warpnn import _bridge, _launch
 from warpnn._signature import KernelSignature
 
 from .bridge import N, SCAN_STEPS, _scan_grad, _trajectory_grad, affine, pure_jax
@@ -28,15 +30,17 @@ from .profile_scan import loop_body_ops
 
 
 @contextlib.contextmanager
-def _in_place(enabled: bool):
-    """Trace with (the library's behaviour) or without in-place adjoints; compiled functions keep what they saw."""
-    saved = KernelSignature.adjoints_in_place_for
-    if not enabled:
+def _in_place(mode: str):
+    """Trace with the library's choice, the adjoint always in place, or never; compiled functions keep what they saw."""
+    saved = KernelSignature.adjoints_in_place_for, _bridge._in_place_adjoints_pay
+    if mode == "in place":
+        _bridge._in_place_adjoints_pay = lambda nbytes: True
+    elif mode == "out of place":
         KernelSignature.adjoints_in_place_for = lambda self, shapes, dims: ()  # type: ignore[method-assign]
     try:
         yield
     finally:
-        KernelSignature.adjoints_in_place_for = saved  # type: ignore[method-assign]
+        KernelSignature.adjoints_in_place_for, _bridge._in_place_adjoints_pay = saved  # type: ignore[method-assign]
 
 
 def _entries_per_step(fn, args, calls: int = 10) -> float:
@@ -47,29 +51,38 @@ def _entries_per_step(fn, args, calls: int = 10) -> float:
     return (sum(_launch.LAUNCHER.handler_entries.values()) - before) / (calls * SCAN_STEPS)
 
 
-def main(rounds: int = 3) -> None:
-    x = jnp.linspace(0.0, 1.0, N, dtype=jnp.float32)
-    xs = jnp.tile(x, (SCAN_STEPS, 1)) * 0.01
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[N], help="elements of the kernel's arrays")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
     kernel = warpnn.jax_kernel(affine)
     ours = lambda c: kernel(c)[0]  # noqa: E731
-    builders = {"scan step fwd+bwd": (_scan_grad, (x,)), "scan xs→ys step fwd+bwd": (_trajectory_grad, (x, xs))}
-    variants = (("warpnn", ours, True), ("warpnn, adjoint out of place", ours, False), ("pure JAX", pure_jax, True))
+    variants = (("warpnn", ours, "library"), ("warpnn, adjoint in place", ours, "in place"),
+                ("warpnn, adjoint out of place", ours, "out of place"), ("pure JAX", pure_jax, "library"))
     cases = {}
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; XLA_FLAGS={__import__('os').environ.get('XLA_FLAGS', '')!r}")
-    for case, (build, args) in builders.items():
-        for label, step, in_place in variants:
-            with _in_place(in_place):
-                compiled = jax.jit(build(step)).lower(*args).compile()
-            cases[(case, label)] = (compiled, args)
-            ops = ", ".join(f"{op} {n}" for op, n in sorted(loop_body_ops(compiled.as_text()).items()))
-            entries = _entries_per_step(compiled, args) if label != "pure JAX" else 0.0
-            print(f"  {case:24s} {label:30s} handler entries/step {entries:.3f}; loop bodies: {ops}")
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    for n in args.n:
+        x = jnp.linspace(0.0, 1.0, n, dtype=jnp.float32)
+        builders = {f"scan step fwd+bwd, n={n}": (_scan_grad, (x,))}
+        if n == N:
+            xs = jnp.tile(x, (SCAN_STEPS, 1)) * 0.01
+            builders[f"scan xs→ys step fwd+bwd, n={n}"] = (_trajectory_grad, (x, xs))
+        for case, (build, call_args) in builders.items():
+            for label, step, mode in variants:
+                with _in_place(mode):
+                    compiled = jax.jit(build(step)).lower(*call_args).compile()
+                cases[(case, label)] = (compiled, call_args)
+                ops = ", ".join(f"{op} {k}" for op, k in sorted(loop_body_ops(compiled.as_text()).items()))
+                entries = _entries_per_step(compiled, call_args) if label != "pure JAX" else 0.0
+                print(f"  {case:32s} {label:30s} handler entries/step {entries:.3f}; loop bodies: {ops}")
+    rounds = args.rounds
     print(f"µs per scan step (× pure JAX), {rounds} rounds")
     for r in range(rounds):
         times = time_interleaved(cases, rounds=10)
         for (case, label), t in times.items():
             ref = times[(case, "pure JAX")]
-            print(f"  round {r}  {case:24s} {label:30s} {t / SCAN_STEPS * 1e6:7.2f}  ({t / ref:.2f}×)")
+            print(f"  round {r}  {case:32s} {label:30s} {t / SCAN_STEPS * 1e6:7.2f}  ({t / ref:.2f}×)")
         sys.stdout.flush()
 
 

@@ -15,7 +15,7 @@ import pytest
 import warp as wp
 
 import warpnn
-from warpnn import _batched, _launch
+from warpnn import _batched, _bridge, _launch
 from warpnn._signature import KernelSignature, signature_of
 
 from .helpers import assert_close
@@ -113,6 +113,28 @@ def test_each_input_and_output_pairs_once_and_only_at_matching_shapes():
     assert sig.adjoints_in_place_for(full, (4,)) == ()  # the launch covers part of the arrays
     constant_x = sig.without_adjoints(frozenset({"x"}))
     assert constant_x.adjoints_in_place_for(full, (8,)) == (("v", "x_new"),)
+
+
+@pytest.fixture(autouse=True)
+def in_place_wherever_possible(monkeypatch):
+    """These tests check the in-place adjoint itself: take it wherever the kernel allows, as on the CPU, also
+    on a GPU with XLA's default flags (where warpnn keeps small pairs out of place: see the policy's test)."""
+    monkeypatch.setattr(_bridge, "_in_place_adjoints_pay", lambda nbytes: True)
+
+
+@pytest.mark.parametrize("backend, xla_flags, nbytes, expected", [
+    ("cpu", "", 16, True),
+    ("gpu", "", 16, False),  # a lost CUDA graph would cost more than the copy saves
+    ("gpu", "", _bridge.IN_PLACE_ADJOINT_MIN_BYTES, True),
+    ("gpu", "--xla_gpu_graph_min_graph_size=1 --xla_cmd_buffer_trace_cache_size=1024", 16, True),
+    ("gpu", "--xla_gpu_graph_min_graph_size=1 --xla_gpu_graph_min_graph_size=5", 16, False),  # the last one counts
+])
+def test_on_a_gpu_small_pairs_stay_out_of_place_unless_xla_captures_short_graphs(monkeypatch, backend, xla_flags,
+                                                                                 nbytes, expected):
+    monkeypatch.undo()  # the library's own policy, not the autouse fixture's
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    assert _bridge._in_place_adjoints_pay(nbytes) is expected
 
 
 @pytest.fixture

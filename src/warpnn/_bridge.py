@@ -16,7 +16,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _checked, _pruned, _sharding
+from . import _checked, _cuda_graphs, _pruned, _sharding
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
@@ -738,6 +738,31 @@ def _differentiable_call_fwd(plan, *primals):
     return results, (arrays, kept, _Static(adjoint_plan))
 
 
+# Pairs whose arrays are at least this big compute their adjoint in place on a GPU even with XLA's default
+# flags (see _in_place_adjoints_pay): docs/benchmarks-speed-gpu.md.
+IN_PLACE_ADJOINT_MIN_BYTES = 1 << 24
+
+
+def _nbytes(shape: tuple[int, ...], spec: ArgSpec) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize
+
+
+def _in_place_adjoints_pay(nbytes: int) -> bool:
+    """Whether computing adjoints in place (``KernelSignature.adjoints_in_place_for``) can only save time here.
+
+    It saves a zeroed buffer and a copy per call. On a GPU with XLA's default flags it can also cost a CUDA
+    graph: the backward body of a ``lax.scan`` over one elementwise kernel drops to four operations, under
+    XLA's minimum of five for a graph (``--xla_gpu_graph_min_graph_size``), and then XLA enters the handler
+    every step; measured on an H200, a 4096-element scan's fwd+bwd step went from 15.7 to 23-27 µs. So on a
+    GPU the adjoint runs in place only when XLA captures short sequences too (``enable_cuda_graph_capture``)
+    or when the pair's arrays (``nbytes``, the biggest pair's output) are big enough that the saved memory
+    traffic outweighs a lost graph.
+    """
+    if jax.default_backend() == "cpu" or _cuda_graphs.min_graph_size() <= 4:
+        return True
+    return nbytes >= IN_PLACE_ADJOINT_MIN_BYTES
+
+
 def _differentiable_call_bwd(plan, residuals, cotangents):
     arrays, kept, adjoint_plan = residuals
     plan = adjoint_plan.value
@@ -766,7 +791,8 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     shapes = {**{s.name: a.shape for s, a in zip(sig.array_inputs, arrays)},
               **{s.name: shape for s, shape in zip(sig.outputs, plan.output_shapes) if s.name not in unused}}
     in_place = sig.adjoints_in_place_for(shapes, plan.launch_dims)
-    if in_place:
+    if in_place and _in_place_adjoints_pay(max(_nbytes(shapes[y], sig.outputs[sig.output_names.index(y)])
+                                               for _, y in in_place)):
         plan = dataclasses.replace(plan, sig=sig.variant(adjoints_in_place=in_place))
         sig = plan.sig
     if unused:

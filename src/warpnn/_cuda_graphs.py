@@ -56,6 +56,13 @@ def enable_cuda_graph_capture(min_graph_size: int = 1, trace_cache_size: int = 1
     return os.environ["XLA_FLAGS"]
 
 
+def min_graph_size() -> int:
+    """XLA's ``--xla_gpu_graph_min_graph_size`` as this process's ``XLA_FLAGS`` set it (XLA reads them once, at
+    start-up; warpnn does not change them after that), else XLA's default, 5."""
+    found = re.findall(r"--xla_gpu_graph_min_graph_size=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else 5
+
+
 def _backends_started() -> bool:
     try:
         from jax._src import xla_bridge
