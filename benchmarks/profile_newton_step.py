@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 import jax
+import jax.numpy as jnp
 import warp as wp
 
 from warpnn import _launch
@@ -63,6 +64,30 @@ def idle_gaps(fn, calls: int = 3, top: int = 8, min_gap_us: float = 3.0) -> None
         print(f"  gap {gap:6.1f} µs after `{before[2][:50]}`, before `{after[2][:50]}`; host: {busiest or '—'}")
 
 
+def chained_rollouts(scene, steps: int, unroll: int, calls: int = 20) -> None:
+    """Time rollouts that continue each other (``state = rollout(state)``, the way a simulation is stepped on in
+    chunks), with the state donated to XLA and without: a donated state's buffers become the next call's, so
+    XLA need not copy the inputs into the loop, and the loop runs over the same buffers every call."""
+    from warpnn_models.newton import NewtonStep, rollout
+
+    model, solver, contacts = scene
+    step = NewtonStep(model, solver, 5e-4, contacts=contacts, param_fields=("spring_stiffness",))
+    params, constants = step.initial_params(), step.constants()
+    for donate in (False, True):
+        fn = jax.jit(lambda s, p, c: rollout(step, s, None, p, num_steps=steps, constants=c, unroll=unroll)[0],
+                     donate_argnums=(0,) if donate else ())
+        state = [jax.tree.map(jnp.copy, step.initial_state())]
+
+        def call(fn=fn, state=state):
+            state[0] = fn(state[0], params, constants)
+            return state[0]
+
+        label = f"warpnn fwd, unroll={unroll}, chained calls, state {'donated' if donate else 'not donated'}"
+        print(f"{label}: {time_call(call, reps=calls) / steps * 1e6:.1f} µs per step", flush=True)
+        print(f"{label}: where the device idles", flush=True)
+        idle_gaps(call)
+
+
 def profile(particles: int, steps: int, unroll: int, calls: int = 5) -> dict[str, dict]:
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda:0" if on_gpu else "cpu"
@@ -92,6 +117,7 @@ def profile(particles: int, steps: int, unroll: int, calls: int = 5) -> dict[str
     for name, fn in runs.items():
         print(f"\n{name}: where the device idles", flush=True)
         idle_gaps(fn)
+    chained_rollouts(scene, steps, unroll)
     for name, fn in runs.items():
         _, events, wall = trace_events(fn, calls=calls)
         ops = _per_step(events, calls, steps)

@@ -202,6 +202,8 @@ def rollout(
     ``constants``: ``step.constants()``, passed as an argument of the jitted function (large models).
     ``unroll``: steps per loop iteration (``lax.scan``'s): fewer, larger CUDA graphs on the GPU, which pays
     off for small models, where each iteration's fixed cost (graph launch, loop bookkeeping) dominates.
+    For rollouts that continue each other (``state, _ = rollout(..., state, ...)`` in a Python loop), jit with
+    the state donated (``donate_argnums``): XLA then need not copy it into the loop's buffers every call.
     """
 
     def body(carry, control):
