@@ -90,7 +90,26 @@ def to_double(x: wp.array(dtype=wp.float32), y: wp.array(dtype=wp.float64)):
     y[i] = wp.float64(x[i])
 
 
+@wp.kernel
+def branch_reads(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    t = float(0.0)
+    if x[i] > 0.0:
+        t = x[i] * x[i]
+    else:
+        t = -3.0 * x[i]
+    y[i] = t
+
+
+@wp.kernel
+def scale_2d(x: wp.array2d(dtype=float), y: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    y[i, j] = wp.exp(0.5 * x[i, j])
+
+
 @pytest.mark.parametrize("kernel, num_outputs, pairs", [
+    (branch_reads, 1, (("x", "y"),)),
+    (scale_2d, 1, (("x", "y"),)),
     (blend, 1, (("x", "y"), ("alpha", "y"))),
     (advance, 2, (("x", "x_new"), ("v", "x_new"), ("x", "v_new"), ("v", "v_new"))),
     (copy_then_double, 2, (("x", "z"),)),
@@ -284,3 +303,29 @@ def test_an_unused_output_leaves_the_other_pair(out_of_place):
         expected = out_of_place(run)
         _bitwise(run(), expected)
         _close(expected, jax.grad(lambda x: jnp.sum(jnp.sin((x, 2.0 * x)[pick])))(x))
+
+
+@pytest.mark.parametrize("case", ["branch reads", "2-D"])
+def test_reads_under_branches_and_2d_pairs_match_pure_jax(out_of_place, pairs_used, case):
+    if case == "branch reads":
+        f, ref = warpnn.jax_kernel(branch_reads), lambda x: jnp.where(x > 0, x * x, -3.0 * x)
+        x = jnp.linspace(-2.0, 2.0, 33)
+    else:
+        f, ref = warpnn.jax_kernel(scale_2d), lambda x: jnp.exp(0.5 * x)
+        x = jax.random.normal(jax.random.PRNGKey(4), (5, 7))
+    run = lambda: jax.grad(lambda x: jnp.sum(jnp.sin(f(x)[0])))(x)
+    got = run()
+    assert pairs_used and all(p == (("x", "y"),) for p in pairs_used)
+    _bitwise(got, out_of_place(run))
+    _close(got, jax.grad(lambda x: jnp.sum(jnp.sin(ref(x))))(x))
+
+
+def test_a_launch_short_of_the_arrays_keeps_the_adjoint_out_of_place(pairs_used):
+    """Threads beyond the launch never store their element of y, so y's cotangent there must not become x's
+    adjoint: the pair needs the launch to cover both arrays."""
+    f = warpnn.jax_kernel(blend)
+    x, alpha = _blend_inputs(n=16)
+    g = jax.grad(lambda x: jnp.sum(f(x, alpha, launch_dims=12, output_dims=16)[0] * 3.0))(x)
+    assert pairs_used == [()]
+    expected = jnp.where(jnp.arange(16) < 12, 3.0 * (alpha + jnp.cos(x)), 0.0)
+    _close(g, expected)
