@@ -1,4 +1,4 @@
-"""A/B of adjoints computed in place (``KernelSignature.in_place_adjoint_candidates``) in scans, against pure JAX.
+"""A/B of adjoints computed in place (``KernelSignature.in_place_pairs``) in scans, against pure JAX.
 
 For an elementwise kernel ``y[i] = f(x[i])`` warpnn's adjoint call writes ``x``'s adjoint into ``y``'s
 cotangent buffer, where it used to zero a buffer of its own and XLA then copied that into the backward loop's
@@ -32,15 +32,15 @@ from .profile_scan import loop_body_ops
 @contextlib.contextmanager
 def _in_place(mode: str):
     """Trace with the library's choice, the adjoint always in place, or never; compiled functions keep what they saw."""
-    saved = KernelSignature.adjoints_in_place_for, _bridge._in_place_adjoints_pay
+    saved = KernelSignature.in_place_pairs_for, _bridge._in_place_pays
     if mode == "in place":
-        _bridge._in_place_adjoints_pay = lambda nbytes: True
+        _bridge._in_place_pays = lambda sig, shapes, pairs: True
     elif mode == "out of place":
-        KernelSignature.adjoints_in_place_for = lambda self, shapes, dims: ()  # type: ignore[method-assign]
+        KernelSignature.in_place_pairs_for = lambda self, shapes, dims: ()  # type: ignore[method-assign]
     try:
         yield
     finally:
-        KernelSignature.adjoints_in_place_for, _bridge._in_place_adjoints_pay = saved  # type: ignore[method-assign]
+        KernelSignature.in_place_pairs_for, _bridge._in_place_pays = saved  # type: ignore[method-assign]
 
 
 def _entries_per_step(fn, args, calls: int = 10) -> float:

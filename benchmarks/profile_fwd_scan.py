@@ -5,7 +5,8 @@ carry (the call cannot write the buffer it reads). That is under XLA's minimum o
 graph (``--xla_gpu_graph_min_graph_size``), so every step enters the handler. This times, in alternating
 rounds of one process, µs per scan step (and per single call, where in-place writing costs a copy):
 
-* ``warpnn``: the out-of-place kernel ``y[i] = f(x[i])``, as users write it;
+* ``warpnn``: the out-of-place kernel ``y[i] = f(x[i])``, as users write it (which warpnn writes in place
+  where that pays: ``_bridge._with_outputs_in_place``), and ``warpnn, never in place`` the same with that off;
 * ``warpnn in-out``: the same update written in place, ``x[i] = f(x[i])`` with ``in_out_argnames=["x"]``
   (the call's result is its operand's buffer: no copy in the body, one before a call whose operand lives on);
 * pure JAX;
@@ -29,6 +30,7 @@ from warpnn import _launch
 
 from .bridge import N, SCAN_STEPS, _scan, affine, pure_jax
 from .common import time_interleaved
+from .profile_adjoint_in_place import _in_place
 
 wp.config.quiet = True
 
@@ -52,21 +54,28 @@ def main(rounds: int = 3) -> None:
     out_of_place = warpnn.jax_kernel(affine)
     in_place = warpnn.jax_kernel(affine_in_place, num_outputs=1, in_out_argnames=["x"])
     steps = {
-        "warpnn": lambda c: out_of_place(c)[0],
-        "warpnn in-out": lambda c: in_place(c)[0],
-        "pure JAX": pure_jax,
+        "warpnn": (lambda c: out_of_place(c)[0], "library"),
+        "warpnn, never in place": (lambda c: out_of_place(c)[0], "out of place"),
+        "warpnn in-out": (lambda c: in_place(c)[0], "library"),
+        "pure JAX": (pure_jax, "library"),
     }
     small = jnp.linspace(0.0, 1.0, N, dtype=jnp.float32)
     large = jnp.linspace(0.0, 1.0, 1 << 24, dtype=jnp.float32)
     cases, entries = {}, {}
-    for label, step in steps.items():
-        cases[("scan fwd", label)] = (jax.jit(_scan(step)).lower(small).compile(), (small,))
-        cases[(f"single call fwd, n={N}", label)] = (jax.jit(step).lower(small).compile(), (small,))
-        cases[("single call fwd, n=16M", label)] = (jax.jit(step).lower(large).compile(), (large,))
+
+    def compiled(fn, x, mode):
+        with _in_place(mode):
+            return jax.jit(fn).lower(x).compile()
+
+    for label, (step, mode) in steps.items():
+        cases[("scan fwd", label)] = (compiled(_scan(step), small, mode), (small,))
+        cases[(f"single call fwd, n={N}", label)] = (compiled(step, small, mode), (small,))
+        if jax.default_backend() == "gpu":  # (on a CPU one such call takes seconds)
+            cases[("scan fwd, n=16M", label)] = (compiled(_scan(step), large, mode), (large,))
+        cases[("single call fwd, n=16M", label)] = (compiled(step, large, mode), (large,))
     for unroll in (2, 4, 8):
-        for label, step in steps.items():
-            cases[("scan fwd", f"{label}, scan unroll={unroll}")] = (
-                jax.jit(_scan(step, unroll)).lower(small).compile(), (small,))
+        for label, (step, mode) in steps.items():
+            cases[("scan fwd", f"{label}, scan unroll={unroll}")] = (compiled(_scan(step, unroll), small, mode), (small,))
     for key, (compiled, args) in cases.items():
         per = SCAN_STEPS if key[0].startswith("scan") else 1
         entries[key] = _entries_per_call(compiled, *args) / per

@@ -150,6 +150,9 @@ class _CallPlan:
     output_shapes: tuple[tuple[int, ...], ...]  # pure outputs; in-out results take their operand's shape
     has_side_effect: bool = False
     differentiable: bool = True
+    # (input, output) pairs whose output the forward call writes into the input's buffer (XLA aliases them;
+    # see KernelSignature.in_place_pairs). Set only on calls that are not differentiated.
+    outputs_in_place: tuple[tuple[str, str], ...] = ()
 
     def attrs(self) -> dict[str, Any]:
         attrs = {LAUNCH_DIMS_ATTR: np.asarray(self.launch_dims, dtype=np.int64), **LAUNCHER.extra_attrs(self.sig)}
@@ -650,6 +653,7 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
         result_shapes = [shapes[s.name] for s in sig.in_out] + list(plan.output_shapes)
         operand_index = {s.name: k for k, s in enumerate(sig.array_inputs)}
         aliases = {operand_index[s.name]: r for r, s in enumerate(sig.in_out)}
+        aliases.update({operand_index[x]: len(sig.in_out) + sig.output_names.index(y) for x, y in plan.outputs_in_place})
     out_types = [jax.ShapeDtypeStruct(shape, spec.dtype) for shape, spec in zip(result_shapes, specs)]
     # jax.ffi.ffi_call with vmap_method="expand_dims" (under vmap every operand gets a leading batch dim,
     # size 1 when unbatched, and the launcher launches per batch element instead of folding the batch into
@@ -719,7 +723,25 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _differentiable_call(plan: _CallPlan, *arrays) -> list[jax.Array]:
-    return _ffi_call(plan, False, arrays)
+    # JAX calls this only where nothing differentiates the call (else the fwd rule below runs), so no input
+    # is needed after it as a residual: an elementwise pair's output may overwrite its input.
+    return _ffi_call(_with_outputs_in_place(plan, arrays), False, arrays)
+
+
+def _with_outputs_in_place(plan: _CallPlan, arrays) -> _CallPlan:
+    """``plan`` with the elementwise pairs whose output this call writes into the input's buffer, where that pays
+    (``_in_place_pays``). XLA copies the input first where anything else still reads it (the caller's array
+    among them), so nothing the caller holds changes; in a ``lax.scan`` carrying the input it spares the copy
+    of the output into the carry."""
+    sig = plan.sig
+    if type(sig) is not KernelSignature:
+        return plan  # (checked mode's signatures: their outputs are zeroed first, never written in place)
+    shapes = {**{s.name: a.shape for s, a in zip(sig.array_inputs, arrays)},
+              **dict(zip(sig.output_names, plan.output_shapes))}
+    pairs = sig.in_place_pairs_for(shapes, plan.launch_dims)
+    if not pairs or not _in_place_pays(sig, shapes, pairs):
+        return plan
+    return dataclasses.replace(plan, outputs_in_place=pairs)
 
 
 def _differentiable_call_fwd(plan, *primals):
@@ -738,29 +760,26 @@ def _differentiable_call_fwd(plan, *primals):
     return results, (arrays, kept, _Static(adjoint_plan))
 
 
-# Pairs whose arrays are at least this big compute their adjoint in place on a GPU even with XLA's default
-# flags (see _in_place_adjoints_pay): docs/benchmarks-speed-gpu.md.
-IN_PLACE_ADJOINT_MIN_BYTES = 1 << 24
+# Pairs whose arrays are at least this big share buffers on a GPU even with XLA's default flags (see
+# _in_place_pays): docs/benchmarks-speed-gpu.md.
+IN_PLACE_MIN_BYTES = 1 << 24
 
 
-def _nbytes(shape: tuple[int, ...], spec: ArgSpec) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize
+def _in_place_pays(sig: KernelSignature, shapes: dict[str, tuple[int, ...]], pairs) -> bool:
+    """Whether sharing the buffers of ``pairs`` (``KernelSignature.in_place_pairs_for``) can only save time here.
 
-
-def _in_place_adjoints_pay(nbytes: int) -> bool:
-    """Whether computing adjoints in place (``KernelSignature.adjoints_in_place_for``) can only save time here.
-
-    It saves a zeroed buffer and a copy per call. On a GPU with XLA's default flags it can also cost a CUDA
-    graph: the backward body of a ``lax.scan`` over one elementwise kernel drops to four operations, under
-    XLA's minimum of five for a graph (``--xla_gpu_graph_min_graph_size``), and then XLA enters the handler
-    every step; measured on an H200, a 4096-element scan's fwd+bwd step went from 15.7 to 23-27 µs. So on a
-    GPU the adjoint runs in place only when XLA captures short sequences too (``enable_cuda_graph_capture``)
-    or when the pair's arrays (``nbytes``, the biggest pair's output) are big enough that the saved memory
-    traffic outweighs a lost graph.
+    It saves a buffer and a copy per call (and backward, a memset). On a GPU with XLA's default flags it can also
+    cost a CUDA graph: the backward body of a ``lax.scan`` over one elementwise kernel drops to four
+    operations, under XLA's minimum of five for a graph (``--xla_gpu_graph_min_graph_size``), and then XLA
+    enters the handler every step; measured on an H200, a 4096-element scan's fwd+bwd step went from 15.3 to
+    20.0 µs. So on a GPU the buffers are shared only when XLA captures short sequences too
+    (``enable_cuda_graph_capture``) or when the pairs' arrays are big enough that the saved memory traffic
+    outweighs a lost graph (at 16M elements: 291.5 against 336.3 µs); on the CPU, which has no graphs, always.
     """
     if jax.default_backend() == "cpu" or _cuda_graphs.min_graph_size() <= 4:
         return True
-    return nbytes >= IN_PLACE_ADJOINT_MIN_BYTES
+    by_name = {s.name: s for s in sig.outputs}
+    return max(int(np.prod(shapes[y], dtype=np.int64)) * by_name[y].dtype.itemsize for _, y in pairs) >= IN_PLACE_MIN_BYTES
 
 
 def _differentiable_call_bwd(plan, residuals, cotangents):
@@ -787,12 +806,11 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     if unused and type(sig) is not KernelSignature:
         unused = frozenset()  # (checked mode's signatures keep their own kernel)
     # Elementwise input -> output pairs compute the input's adjoint in the output's cotangent buffer (no zeroed
-    # adjoint, no copy into a scan's carry): see KernelSignature.in_place_adjoint_candidates.
+    # adjoint, no copy into a scan's carry): see KernelSignature.in_place_pairs.
     shapes = {**{s.name: a.shape for s, a in zip(sig.array_inputs, arrays)},
               **{s.name: shape for s, shape in zip(sig.outputs, plan.output_shapes) if s.name not in unused}}
-    in_place = sig.adjoints_in_place_for(shapes, plan.launch_dims)
-    if in_place and _in_place_adjoints_pay(max(_nbytes(shapes[y], sig.outputs[sig.output_names.index(y)])
-                                               for _, y in in_place)):
+    in_place = sig.in_place_pairs_for(shapes, plan.launch_dims)
+    if in_place and _in_place_pays(sig, shapes, in_place):
         plan = dataclasses.replace(plan, sig=sig.variant(adjoints_in_place=in_place))
         sig = plan.sig
     if unused:

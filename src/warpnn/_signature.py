@@ -132,7 +132,7 @@ class KernelSignature:
     # Array inputs passed as None: Warp gets a null array (no operand, no adjoint).
     null_inputs: frozenset[str] = frozenset()
     # (input, output) pairs whose input adjoint the adjoint call computes in the output's cotangent buffer
-    # (see ``adjoints_in_place_for``). Set only on the variants ``variant`` returns.
+    # (see ``in_place_pairs_for``). Set only on the variants ``variant`` returns.
     adjoints_in_place: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -240,22 +240,24 @@ class KernelSignature:
                      or self.uses[a.name].reads or self.uses[a.name].may_store_twice)
 
     @functools.cached_property
-    def in_place_adjoint_candidates(self) -> tuple[tuple[str, str], ...]:
-        """(input, output) pairs whose input's adjoint can be computed in the output's cotangent buffer.
+    def in_place_pairs(self) -> tuple[tuple[str, str], ...]:
+        """(input, output) pairs of an elementwise update ``y[i] = f(x[i])`` that may share one buffer.
 
-        The adjoint of an elementwise update ``y[i] = f(x[i])`` then runs in place, as an in-out array's does:
-        the cotangent buffer is aliased to the input's adjoint and seen by Warp as ``y``'s ``grad``; Warp's
-        adjoint of the store reads and zeroes ``y``'s element, then the reads of ``x`` add into the same
-        element. So the adjoint needs neither a zeroed buffer of its own nor (in a ``lax.scan``'s backward
-        loop) a copy of its result into the carry. That is exact when each thread touches only its own
-        element of both, every read of ``x`` comes before the store (Warp's reverse pass runs the store's
-        adjoint first), and the store is the one access of ``y``, on every path: a float input read only at
-        the thread's ``wp.tid()`` index, outside loops and @wp.funcs; a float output of the same type stored
-        once, at the top level, at that index, after those reads. Found conservatively in the source;
-        ``adjoints_in_place_for`` adds the conditions on shapes.
+        Forward (a call that is not differentiated, ``_bridge._with_outputs_in_place``): ``y`` is written into
+        ``x``'s buffer, as an in-out array is, so a ``lax.scan`` carrying ``x`` needs no copy of ``y`` into its
+        carry. Backward (``adjoints_in_place``): ``x``'s adjoint is computed in ``y``'s cotangent buffer, as an
+        in-out array's adjoint is carried: the cotangent buffer is aliased to ``x``'s adjoint and seen by Warp as
+        ``y``'s ``grad``; Warp's adjoint of the store reads and zeroes ``y``'s element, then the reads of ``x``
+        add into the same element, so the adjoint needs neither a zeroed buffer of its own nor a copy into the
+        backward loop's carry. Both are exact when each thread touches only its own element of both, every
+        read of ``x`` comes before the store (forward: a thread reads its element before it overwrites it;
+        backward: Warp's reverse pass runs the store's adjoint first), and the store is the one access of
+        ``y``, on every path: a float input read only at the thread's ``wp.tid()`` index, outside loops and
+        @wp.funcs; a float output of the same type stored once, at the top level, at that index, after those
+        reads. Found conservatively in the source; ``in_place_pairs_for`` adds the conditions on shapes.
         """
         if self._base is not self:
-            return self._base.in_place_adjoint_candidates
+            return self._base.in_place_pairs
         private, _ = self.thread_private_arrays
         fully_written = set(self.outputs_fully_written)
 
@@ -278,16 +280,16 @@ class KernelSignature:
                     pairs.append((x.name, y.name))
         return tuple(pairs)
 
-    def adjoints_in_place_for(self, shapes: dict[str, tuple[int, ...]], launch_dims: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
-        """The pairs of ``in_place_adjoint_candidates`` this call can use: each output with the first input
-        (in signature order) whose adjoint this call computes, of the output's shape, both covering the launch
-        (each element is one thread's); each input and output in one pair at most. ``shapes``: every array
-        input's and output's shape in this call (JAX's, per vmap element)."""
+    def in_place_pairs_for(self, shapes: dict[str, tuple[int, ...]], launch_dims: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
+        """The pairs of ``in_place_pairs`` this call can use: each output with the first input (in signature
+        order) that is differentiated in this call (for an adjoint; any float input for a forward), of the
+        output's shape, both covering the launch (each element is one thread's); each input and output in one
+        pair at most. ``shapes``: every array input's and output's shape in this call (JAX's, per vmap element)."""
         computed = {s.name for s in self.adjoint_inputs}
         taken: set[str] = set()
         pairs = []
         by_name = {s.name: s for s in (*self.input_leaves, *self.outputs)}
-        for x, y in self.in_place_adjoint_candidates:
+        for x, y in self.in_place_pairs:
             if x in taken or y in taken or x not in computed or shapes.get(x) != shapes.get(y):
                 continue
             if tuple(shapes[y][: by_name[y].warp_ndim]) != tuple(launch_dims):
@@ -299,7 +301,7 @@ class KernelSignature:
     def variant(self, constant_inputs: frozenset[str] | None = None, null_inputs: frozenset[str] | None = None,
                 adjoints_in_place: tuple[tuple[str, str], ...] | None = None) -> KernelSignature:
         """This signature with other constant (non-differentiated) inputs, ``None`` inputs or adjoints computed
-        in place (``adjoints_in_place_for``); one instance each.
+        in place (``in_place_pairs_for``); one instance each.
 
         Constant inputs get a null adjoint array, and Warp's adjoint kernel skips the atomic adds into a null
         array, so an input that is not differentiated costs no memory traffic backward. Names of inputs that

@@ -1,4 +1,4 @@
-"""Adjoints computed in the output's cotangent buffer (``KernelSignature.in_place_adjoint_candidates``).
+"""Adjoints computed in the output's cotangent buffer (``KernelSignature.in_place_pairs``).
 
 For an elementwise ``y[i] = f(x[i])`` the adjoint call writes ``x``'s adjoint where ``y``'s cotangent was, as
 an in-out array's adjoint is carried: no zeroed adjoint buffer, and no copy into a ``lax.scan``'s backward
@@ -121,30 +121,30 @@ def scale_2d(x: wp.array2d(dtype=float), y: wp.array2d(dtype=float)):
     (heat_step, 1, ()),
 ])
 def test_candidates_are_found_conservatively_in_the_source(kernel, num_outputs, pairs):
-    assert signature_of(kernel, num_outputs).in_place_adjoint_candidates == pairs
+    assert signature_of(kernel, num_outputs).in_place_pairs == pairs
 
 
 def test_each_input_and_output_pairs_once_and_only_at_matching_shapes():
     sig = signature_of(advance, 2)
     full = {"x": (8, 3), "v": (8, 3), "x_new": (8, 3), "v_new": (8, 3)}
-    assert sig.adjoints_in_place_for(full, (8,)) == (("x", "x_new"), ("v", "v_new"))
-    assert sig.adjoints_in_place_for({**full, "x_new": (9, 3)}, (8,)) == (("x", "v_new"),)
-    assert sig.adjoints_in_place_for(full, (4,)) == ()  # the launch covers part of the arrays
+    assert sig.in_place_pairs_for(full, (8,)) == (("x", "x_new"), ("v", "v_new"))
+    assert sig.in_place_pairs_for({**full, "x_new": (9, 3)}, (8,)) == (("x", "v_new"),)
+    assert sig.in_place_pairs_for(full, (4,)) == ()  # the launch covers part of the arrays
     constant_x = sig.without_adjoints(frozenset({"x"}))
-    assert constant_x.adjoints_in_place_for(full, (8,)) == (("v", "x_new"),)
+    assert constant_x.in_place_pairs_for(full, (8,)) == (("v", "x_new"),)
 
 
 @pytest.fixture(autouse=True)
 def in_place_wherever_possible(monkeypatch):
     """These tests check the in-place adjoint itself: take it wherever the kernel allows, as on the CPU, also
     on a GPU with XLA's default flags (where warpnn keeps small pairs out of place: see the policy's test)."""
-    monkeypatch.setattr(_bridge, "_in_place_adjoints_pay", lambda nbytes: True)
+    monkeypatch.setattr(_bridge, "_in_place_pays", lambda sig, shapes, pairs: True)
 
 
 @pytest.mark.parametrize("backend, xla_flags, nbytes, expected", [
     ("cpu", "", 16, True),
     ("gpu", "", 16, False),  # a lost CUDA graph would cost more than the copy saves
-    ("gpu", "", _bridge.IN_PLACE_ADJOINT_MIN_BYTES, True),
+    ("gpu", "", _bridge.IN_PLACE_MIN_BYTES, True),
     ("gpu", "--xla_gpu_graph_min_graph_size=1 --xla_cmd_buffer_trace_cache_size=1024", 16, True),
     ("gpu", "--xla_gpu_graph_min_graph_size=1 --xla_gpu_graph_min_graph_size=5", 16, False),  # the last one counts
 ])
@@ -153,7 +153,8 @@ def test_on_a_gpu_small_pairs_stay_out_of_place_unless_xla_captures_short_graphs
     monkeypatch.undo()  # the library's own policy, not the autouse fixture's
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     monkeypatch.setenv("XLA_FLAGS", xla_flags)
-    assert _bridge._in_place_adjoints_pay(nbytes) is expected
+    shapes = {"x": (nbytes // 4,), "alpha": (nbytes // 4,), "y": (nbytes // 4,)}
+    assert _bridge._in_place_pays(signature_of(blend, 1), shapes, (("x", "y"),)) is expected
 
 
 @pytest.fixture
@@ -163,7 +164,7 @@ def out_of_place(monkeypatch):
     def run(fn):
         jax.clear_caches()
         with monkeypatch.context() as m:
-            m.setattr(KernelSignature, "adjoints_in_place_for", lambda self, shapes, dims: ())
+            m.setattr(KernelSignature, "in_place_pairs_for", lambda self, shapes, dims: ())
             result = jax.tree.map(np.asarray, fn())
         jax.clear_caches()
         return result
@@ -175,14 +176,14 @@ def out_of_place(monkeypatch):
 def pairs_used(monkeypatch):
     """The pairs each adjoint traced since the fixture started used in place (outside ``out_of_place``)."""
     used = []
-    choose = KernelSignature.adjoints_in_place_for
+    choose = KernelSignature.in_place_pairs_for
 
     def recording(self, shapes, dims):
         pairs = choose(self, shapes, dims)
         used.append(pairs)
         return pairs
 
-    monkeypatch.setattr(KernelSignature, "adjoints_in_place_for", recording)
+    monkeypatch.setattr(KernelSignature, "in_place_pairs_for", recording)
     return used
 
 
@@ -329,3 +330,57 @@ def test_a_launch_short_of_the_arrays_keeps_the_adjoint_out_of_place(pairs_used)
     assert pairs_used == [()]
     expected = jnp.where(jnp.arange(16) < 12, 3.0 * (alpha + jnp.cos(x)), 0.0)
     _close(g, expected)
+
+
+# -- forward: a call that is not differentiated writes the pair's output into the input's buffer
+
+
+def _scan_forward(f, alpha, steps=10):
+    return jax.jit(lambda x: jax.lax.scan(lambda c, _: (f(c, alpha)[0], None), x, None, length=steps)[0])
+
+
+def test_a_forward_only_scan_writes_its_carry_in_place(out_of_place):
+    f = warpnn.jax_kernel(blend)
+    x, alpha = _blend_inputs()
+    text = lambda: _scan_forward(f, alpha).lower(x).compile().as_text()
+    assert "output_to_operand_aliasing" in text()
+    assert _f32_copies(text()) < out_of_place(lambda: _f32_copies(text()))
+    expected = out_of_place(lambda: _scan_forward(f, alpha)(x))
+    _bitwise(_scan_forward(f, alpha)(x), expected)
+    ref = x
+    for _ in range(10):
+        ref = blend_ref(ref, alpha)
+    _close(expected, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("launcher", ["native", "python"])
+def test_calls_written_in_place_leave_the_callers_arrays_unchanged(launcher):
+    """XLA copies an aliased operand that is still needed: the caller's array, eager or under jit, and a value
+    the jitted function reads again after the call."""
+    x, alpha = _blend_inputs()
+    x_before, alpha_before = np.asarray(x).copy(), np.asarray(alpha).copy()
+    with _launch.use_launcher(launcher):
+        f = warpnn.jax_kernel(blend)
+        eager = f(x, alpha)[0]
+        jitted = jax.jit(lambda x, a: f(x, a)[0])(x, alpha)
+        again, reused = jax.jit(lambda x, a: (f(x, a)[0], 2.0 * x))(x, alpha)
+        batched = jax.vmap(lambda a: f(x, a)[0])(jnp.stack([alpha, 2.0 * alpha]))  # x shared by the batch
+    for y in (eager, jitted, again):
+        _close(y, blend_ref(x, alpha))
+    _close(reused, 2.0 * x)
+    _close(batched, jnp.stack([blend_ref(x, alpha), blend_ref(x, 2.0 * alpha)]))
+    np.testing.assert_array_equal(np.asarray(x), x_before)
+    np.testing.assert_array_equal(np.asarray(alpha), alpha_before)
+
+
+def test_differentiated_calls_keep_their_forward_out_of_place():
+    """Under grad the input is a residual the adjoint reads: the forward must not overwrite it."""
+    f = warpnn.jax_kernel(blend)
+    x, alpha = _blend_inputs()
+    def forward_calls(fn):
+        text = jax.jit(fn).lower(x).as_text()
+        return [line for line in text.splitlines() if "custom_call" in line and "forward" in line]
+
+    (plain,) = forward_calls(lambda x: f(x, alpha)[0])
+    (differentiated,) = forward_calls(jax.grad(lambda x: jnp.sum(f(x, alpha)[0] ** 2)))
+    assert "output_operand_alias" in plain and "output_operand_alias" not in differentiated
