@@ -53,13 +53,21 @@ def time_interleaved(cases: dict, rounds: int = 20, per_round: int = 3) -> dict:
     return results
 
 
-def trace_events(fn: Callable, *args, calls: int = 5) -> tuple[dict, dict, float]:
-    """Run ``fn(*args)`` ``calls`` times (after two warm-up calls) under ``jax.profiler`` and reduce the trace.
+def print_rounds(cases: dict, rounds: int, steps: int, reference: str = "pure JAX") -> None:
+    """Time ``cases`` (``{(case, label): (fn, args)}``) in alternating rounds (``time_interleaved``), ``rounds``
+    times, printing µs per step (each call runs ``steps`` steps) and the ratio to ``reference``'s label."""
+    width = max(len(case) for case, _ in cases), max(len(label) for _, label in cases)
+    for r in range(rounds):
+        times = time_interleaved(cases, rounds=10)
+        for (case, label), t in times.items():
+            ratio = t / times[(case, reference)]
+            print(f"  round {r}  {case:{width[0]}s} {label:{width[1]}s} {t / steps * 1e6:9.2f}  ({ratio:.2f}×)", flush=True)
 
-    Returns ``(host, device, wall)``: event durations in ns by name, on the host (XLA executing each HLO
-    operation; on a GPU that is enqueueing it, a custom call's handler included) and on the device (each
-    kernel, memset and copy, from the GPU's stream lines; empty on a CPU), and the wall time in seconds.
-    """
+
+def _traced(fn: Callable, args, calls: int) -> tuple[list, float]:
+    """Run ``fn(*args)`` ``calls`` times (after two warm-up calls) under ``jax.profiler``; return the trace's events
+    as ``(on_device, event)`` pairs, and the wall time in seconds. Host events are XLA executing operations (and
+    Python's); device events the kernels, memsets and copies on the GPU's stream lines (none on a CPU)."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(fn(*args))
@@ -71,7 +79,7 @@ def trace_events(fn: Callable, *args, calls: int = 5) -> tuple[dict, dict, float
                 jax.block_until_ready(fn(*args))
             wall = time.perf_counter() - t0
         data = ProfileData.from_file(sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))[-1])
-    host, device = collections.defaultdict(list), collections.defaultdict(list)
+    events = []
     for plane in data.planes:
         on_device = plane.name.startswith("/device:")
         if not (on_device or plane.name == "/host:CPU"):
@@ -79,37 +87,31 @@ def trace_events(fn: Callable, *args, calls: int = 5) -> tuple[dict, dict, float
         for line in plane.lines:
             if on_device and not line.name.startswith("Stream"):
                 continue  # the device plane's other lines summarise the streams' events again
-            for event in line.events:
-                if not event.name.startswith("end: "):
-                    (device if on_device else host)[event.name].append(event.duration_ns)
+            events += [(on_device, e) for e in line.events if not e.name.startswith("end: ")]
+    return events, wall
+
+
+def trace_events(fn: Callable, *args, calls: int = 5) -> tuple[dict, dict, float]:
+    """Run ``fn(*args)`` ``calls`` times under ``jax.profiler`` and reduce the trace (see ``_traced``).
+
+    Returns ``(host, device, wall)``: event durations in ns by name, on the host (XLA executing each HLO
+    operation; on a GPU that is enqueueing it, a custom call's handler included) and on the device (each
+    kernel, memset and copy; empty on a CPU), and the wall time in seconds.
+    """
+    events, wall = _traced(fn, args, calls)
+    host, device = collections.defaultdict(list), collections.defaultdict(list)
+    for on_device, event in events:
+        (device if on_device else host)[event.name].append(event.duration_ns)
     return dict(host), dict(device), wall
 
 
 def trace_timeline(fn: Callable, *args, calls: int = 3) -> tuple[list, list]:
-    """Run ``fn(*args)`` ``calls`` times (after two warm-up calls) under ``jax.profiler``; return the events as
-    ``(host, device)`` lists of ``(start_ns, end_ns, name)`` sorted by start, on one clock: host events are XLA
-    executing operations (and Python's), device events the kernels, memsets and copies on the GPU's streams."""
-    from jax.profiler import ProfileData
-
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(calls):
-                jax.block_until_ready(fn(*args))
-        data = ProfileData.from_file(sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))[-1])
-    host, device = [], []
-    for plane in data.planes:
-        on_device = plane.name.startswith("/device:")
-        if not (on_device or plane.name == "/host:CPU"):
-            continue
-        for line in plane.lines:
-            if on_device and not line.name.startswith("Stream"):
-                continue
-            for event in line.events:
-                if not event.name.startswith("end: "):
-                    (device if on_device else host).append((event.start_ns, event.end_ns, event.name))
-    return sorted(host), sorted(device)
+    """Run ``fn(*args)`` ``calls`` times under ``jax.profiler`` (see ``_traced``); return the events as
+    ``(host, device)`` lists of ``(start_ns, end_ns, name)`` sorted by start, on one clock."""
+    events, _ = _traced(fn, args, calls)
+    host = sorted((e.start_ns, e.end_ns, e.name) for on_device, e in events if not on_device)
+    device = sorted((e.start_ns, e.end_ns, e.name) for on_device, e in events if on_device)
+    return host, device
 
 
 def device_time(fn: Callable, *args, calls: int = 5) -> float | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ from warpnn import _bridge, _launch
 from warpnn._signature import KernelSignature
 
 from .bridge import N, SCAN_STEPS, _scan_grad, _trajectory_grad, affine, pure_jax
-from .common import time_interleaved
+from .common import print_rounds
 from .profile_scan import loop_body_ops
 
 
@@ -76,14 +75,8 @@ def main(argv=None) -> None:
                 ops = ", ".join(f"{op} {k}" for op, k in sorted(loop_body_ops(compiled.as_text()).items()))
                 entries = _entries_per_step(compiled, call_args) if label != "pure JAX" else 0.0
                 print(f"  {case:32s} {label:30s} handler entries/step {entries:.3f}; loop bodies: {ops}")
-    rounds = args.rounds
-    print(f"µs per scan step (× pure JAX), {rounds} rounds")
-    for r in range(rounds):
-        times = time_interleaved(cases, rounds=10)
-        for (case, label), t in times.items():
-            ref = times[(case, "pure JAX")]
-            print(f"  round {r}  {case:32s} {label:30s} {t / SCAN_STEPS * 1e6:7.2f}  ({t / ref:.2f}×)")
-        sys.stdout.flush()
+    print(f"µs per scan step (× pure JAX), {args.rounds} rounds")
+    print_rounds(cases, args.rounds, SCAN_STEPS)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import warpnn
 from warpnn import _bridge
 
 from .bridge import N, SCAN_STEPS, _scan_grad, _trajectory_grad, affine, pure_jax
-from .common import time_interleaved
+from .common import print_rounds
 
 
 @contextlib.contextmanager
@@ -47,11 +47,7 @@ def main(rounds: int = 3) -> None:
             with _fence(fenced):
                 cases[(case, label)] = (jax.jit(build(step)).lower(*args).compile(), args)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; µs per scan step (× pure JAX), {rounds} rounds")
-    for r in range(rounds):
-        times = time_interleaved(cases, rounds=10)
-        for (case, label), t in times.items():
-            ref = times[(case, "pure JAX")]
-            print(f"  round {r}  {case:24s} {label:20s} {t / SCAN_STEPS * 1e6:7.2f}  ({t / ref:.2f}×)")
+    print_rounds(cases, rounds, SCAN_STEPS)
 
 
 if __name__ == "__main__":
