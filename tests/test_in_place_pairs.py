@@ -107,7 +107,15 @@ def scale_2d(x: wp.array2d(dtype=float), y: wp.array2d(dtype=float)):
     y[i, j] = wp.exp(0.5 * x[i, j])
 
 
+@wp.kernel
+def plus_next_of(x: wp.array(dtype=float), other: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    v = 2.0 * x[i]
+    y[i] = v * v + other[(i + 1) % other.shape[0]]  # a neighbour of the other input, whatever buffer it is
+
+
 @pytest.mark.parametrize("kernel, num_outputs, pairs", [
+    (plus_next_of, 1, (("x", "y"),)),
     (branch_reads, 1, (("x", "y"),)),
     (scale_2d, 1, (("x", "y"),)),
     (blend, 1, (("x", "y"), ("alpha", "y"))),
@@ -384,3 +392,28 @@ def test_differentiated_calls_keep_their_forward_out_of_place():
     (plain,) = forward_calls(lambda x: f(x, alpha)[0])
     (differentiated,) = forward_calls(jax.grad(lambda x: jnp.sum(f(x, alpha)[0] ** 2)))
     assert "output_operand_alias" in plain and "output_operand_alias" not in differentiated
+
+
+def test_one_array_passed_as_both_inputs_is_not_overwritten_under_the_other_reads(out_of_place):
+    """``f(x, x)``: the pair's input is also the other input, read at a neighbour. XLA must give the in-place
+    output a buffer of its own (it copies the aliased operand), forward and backward."""
+    f = warpnn.jax_kernel(plus_next_of)
+    x = jnp.linspace(-1.0, 1.0, 16)
+    ref = lambda x: (2.0 * x) ** 2 + jnp.roll(x, -1)
+    runs = {
+        "eager": lambda: f(x, x)[0],
+        "jit": lambda: jax.jit(lambda x: f(x, x)[0])(x),
+        "scan": lambda: jax.jit(lambda x: jax.lax.scan(lambda c, _: (0.1 * f(c, c)[0], None), x, None, length=3)[0])(x),
+        "vmap": lambda: jax.vmap(lambda r: f(r, r)[0])(jnp.stack([x, -x])),
+        "grad": lambda: jax.grad(lambda x: jnp.sum(jnp.sin(f(x, x)[0])))(x),
+    }
+    refs = {
+        "eager": ref(x), "jit": ref(x),
+        "scan": jax.lax.scan(lambda c, _: (0.1 * ref(c), None), x, None, length=3)[0],
+        "vmap": jnp.stack([ref(x), ref(-x)]),
+        "grad": jax.grad(lambda x: jnp.sum(jnp.sin(ref(x))))(x),
+    }
+    for name, run in runs.items():
+        got = run()
+        _close(got, refs[name], err_msg=name)
+        _bitwise(got, out_of_place(run))
