@@ -1,9 +1,10 @@
-"""Adjoints computed in the output's cotangent buffer (``KernelSignature.in_place_pairs``).
+"""Elementwise input/output pairs sharing one buffer (``KernelSignature.in_place_pairs``).
 
-For an elementwise ``y[i] = f(x[i])`` the adjoint call writes ``x``'s adjoint where ``y``'s cotangent was, as
-an in-out array's adjoint is carried: no zeroed adjoint buffer, and no copy into a ``lax.scan``'s backward
-carry. The adjoint's additions are the same, in the same order, so gradients must be bitwise those of the
-out-of-place adjoint (the variant without pairs), and match pure JAX.
+For ``y[i] = f(x[i])`` the adjoint call writes ``x``'s adjoint where ``y``'s cotangent was, as an in-out
+array's adjoint is carried (no zeroed adjoint buffer, no copy into a ``lax.scan``'s backward carry), and a call
+that is not differentiated writes ``y`` into ``x``'s buffer (no copy into a forward scan's carry). The
+additions are the same, in the same order, so results must be bitwise those of the out-of-place calls (the
+variant without pairs), match pure JAX, and leave every array the caller holds unchanged.
 """
 
 import re
@@ -144,8 +145,8 @@ def test_each_input_and_output_pairs_once_and_only_at_matching_shapes():
 
 @pytest.fixture(autouse=True)
 def in_place_wherever_possible(monkeypatch):
-    """These tests check the in-place adjoint itself: take it wherever the kernel allows, as on the CPU, also
-    on a GPU with XLA's default flags (where warpnn keeps small pairs out of place: see the policy's test)."""
+    """These tests check the pairs themselves: share buffers wherever the kernel allows, as on the CPU, also on a
+    GPU with XLA's default flags (where warpnn keeps small pairs apart: see the policy's test)."""
     monkeypatch.setattr(_bridge, "_in_place_pays", lambda sig, shapes, pairs: True)
 
 
@@ -167,7 +168,7 @@ def test_on_a_gpu_small_pairs_stay_out_of_place_unless_xla_captures_short_graphs
 
 @pytest.fixture
 def out_of_place(monkeypatch):
-    """Run a function with every adjoint out of place (the reference), with fresh traces either way."""
+    """Run a function with no pair sharing a buffer, forward or backward (the reference), with fresh traces."""
 
     def run(fn):
         jax.clear_caches()
@@ -182,7 +183,7 @@ def out_of_place(monkeypatch):
 
 @pytest.fixture
 def pairs_used(monkeypatch):
-    """The pairs each adjoint traced since the fixture started used in place (outside ``out_of_place``)."""
+    """The pairs each call traced since the fixture started (forward or adjoint, outside ``out_of_place``) chose."""
     used = []
     choose = KernelSignature.in_place_pairs_for
 
