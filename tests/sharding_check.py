@@ -478,7 +478,42 @@ def check_shared_first_operand() -> dict:
             "collectives": collectives(hlo), "local_batch": warp_call_batches(hlo), "global_batch": v.shape[0]}
 
 
+def check_in_place_pair() -> dict:
+    """An elementwise kernel (``y[i] = f(x[i])``, whose output warpnn may write into its input's buffer, and
+    whose adjoint into the output's cotangent) vmapped over a sharded batch: forward, a forward-only scan and
+    the gradient against pure JAX, the batch still split, and the caller's sharded input unchanged."""
+    from tests.test_in_place_pairs import blend, blend_ref
+
+    mesh = make_mesh("explicit")
+    key_x, key_a = jax.random.split(jax.random.PRNGKey(5))
+    batch = 2 * jax.device_count()
+    x, alpha = shard_batch(mesh, (jax.random.normal(key_x, (batch, 64)), 0.5 + jax.random.uniform(key_a, (batch, 64))))
+    before = fully_addressable(x).copy()
+    f = warpnn.jax_kernel(blend)
+    step = jax.vmap(lambda x, a: f(x, a)[0])
+    forward = jax.jit(step)
+    scan = jax.jit(lambda x, a: jax.lax.scan(lambda c, _: (0.5 * step(c, a), None), x, None, length=4)[0])
+    grad = jax.jit(jax.grad(lambda x, a: jnp.sum(step(x, a) ** 2), argnums=(0, 1)))
+    plain = [jnp.asarray(fully_addressable(v)) for v in (x, alpha)]  # pure JAX's references, unsharded
+    ref_scan = plain[0]
+    for _ in range(4):
+        ref_scan = 0.5 * blend_ref(ref_scan, plain[1])
+    ref_grad = jax.grad(lambda x, a: jnp.sum(blend_ref(x, a) ** 2), argnums=(0, 1))(*plain)
+    y = forward(x, alpha)
+    return {
+        "forward_error": rel_error(fully_addressable(y), blend_ref(*plain)),
+        "scan_error": rel_error(fully_addressable(scan(x, alpha)), ref_scan),
+        "grad_error": rel_error(fully_addressable(grad(x, alpha)), ref_grad),
+        "aliased": "output_to_operand_aliasing" in forward.lower(x, alpha).compile().as_text(),
+        "input_unchanged": bool(np.array_equal(fully_addressable(x), before)),
+        "output_spec": str(y.sharding.spec),
+        "local_batch": warp_call_batches(forward.lower(x, alpha).compile().as_text()),
+        "global_batch": batch,
+    }
+
+
 CHECKS = {
+    "in_place_pair": check_in_place_pair,
     "per_device": check_per_device,
     "spring_layer_explicit": lambda: check_spring_layer("explicit"),
     "spring_layer_auto": lambda: check_spring_layer("auto"),

@@ -114,6 +114,14 @@ def test_first_operand_shared_by_the_batch(single_process):
     assert r["collectives"] == [] and r["local_batch"] == [r["global_batch"] // single_process["devices"]], r
 
 
+def test_elementwise_pairs_share_buffers_on_a_sharded_batch(single_process):
+    r = single_process["in_place_pair"]
+    assert max(r["forward_error"], r["scan_error"], r["grad_error"]) < TOL, r
+    assert r["aliased"] and r["input_unchanged"], r  # written in place, yet the caller's array is intact
+    assert r["output_spec"].startswith("P('data'"), r
+    assert r["local_batch"] == [r["global_batch"] // single_process["devices"]], r
+
+
 def test_shard_map_types_outputs_as_varying(single_process):
     r = single_process["shard_map"]
     assert r["value_error"] < TOL and r["grad_error"] < TOL, r
