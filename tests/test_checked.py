@@ -239,3 +239,26 @@ def test_struct_fields_are_reported_as_unguarded_and_results_unchanged(key):
     with warpnn.checked(), pytest.warns(RuntimeWarning, match=r"'body_energy'.*body\.x\[\.\.\.\].*body\.material passed to material_term"):
         (e,) = f(_body(x, weight), offset)
     assert_close(e, body_energy_ref(x, weight, offset), 1e-5, 1e-5)
+
+
+def test_a_cpu_launch_split_into_slices_reports_one_clear_violation():
+    """Several slices of a threaded CPU launch hit out-of-range reads: the record keeps one violation (the
+    slices' records were once summed into a site that does not exist, and the error was an IndexError)."""
+    from warpnn import _batched
+
+    if _launch.LAUNCHER.name != "native" or jax.default_backend() != "cpu":
+        pytest.skip("CPU threads are the native CPU handler's")
+    twins = _launch.LAUNCHER.impl.twins
+    saved = _batched._LAUNCH_CONFIG.get()
+    try:
+        twins.set_cpu_threads(3, 1)  # 3 slices of the 8 threads: reads past the end in the 2nd and 3rd
+        jax.clear_caches()
+        f = warpnn.jax_kernel(C.shifted_scale)
+        x = jnp.arange(8.0)
+        with warpnn.checked(), pytest.raises(warpnn.KernelIndexError, match="kernel 'shifted_scale'") as caught:
+            jax.block_until_ready(f(x, 2.0, 5))
+        assert "warpnn checked mode" in str(caught.value) and "'x'" in str(caught.value), str(caught.value)
+        assert_close(f(x, 2.0, 0)[0], 2.0 * x)  # in range, sliced as well
+    finally:
+        twins.set_cpu_threads(*saved)
+        jax.clear_caches()

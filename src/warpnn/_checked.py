@@ -681,6 +681,14 @@ class _CheckedSignature(KernelSignature):
     def outputs_fully_written(self) -> tuple[str, ...]:
         return ()  # a skipped store leaves its element unwritten: zero every output
 
+    @functools.cached_property
+    def thread_private_arrays(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The checked kernel's own (``KernelSignature``'s), with the record among the arrays it assigns: the
+        record holds the launch's first violation, stored rather than added, so a CPU launch split into slices
+        must not sum the slices' records (two slices' violations would add into a site that does not exist)."""
+        private, assigned = KernelSignature.thread_private_arrays.func(self)
+        return private - {RECORD_NAME}, assigned | {RECORD_NAME}
+
 
 _SIGNATURES: dict[int, tuple[KernelSignature, KernelSignature, CheckedKernel]] = {}
 
