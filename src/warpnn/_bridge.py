@@ -728,6 +728,12 @@ def _differentiable_call(plan: _CallPlan, *arrays) -> list[jax.Array]:
     return _ffi_call(_with_outputs_in_place(plan, arrays), False, arrays)
 
 
+def _array_shapes(plan: _CallPlan, arrays) -> dict[str, tuple[int, ...]]:
+    """Every array input's and pure output's shape in this call, by name."""
+    return {**{s.name: a.shape for s, a in zip(plan.sig.array_inputs, arrays)},
+            **dict(zip(plan.sig.output_names, plan.output_shapes))}
+
+
 def _with_outputs_in_place(plan: _CallPlan, arrays) -> _CallPlan:
     """``plan`` with the elementwise pairs whose output this call writes into the input's buffer, where that pays
     (``_in_place_pays``). XLA copies the input first where anything else still reads it (the caller's array
@@ -736,8 +742,7 @@ def _with_outputs_in_place(plan: _CallPlan, arrays) -> _CallPlan:
     sig = plan.sig
     if type(sig) is not KernelSignature:
         return plan  # (checked mode's signatures: their outputs are zeroed first, never written in place)
-    shapes = {**{s.name: a.shape for s, a in zip(sig.array_inputs, arrays)},
-              **dict(zip(sig.output_names, plan.output_shapes))}
+    shapes = _array_shapes(plan, arrays)
     pairs = sig.in_place_pairs_for(shapes, plan.launch_dims)
     if not pairs or not _in_place_pays(sig, shapes, pairs):
         return plan
@@ -807,8 +812,7 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         unused = frozenset()  # (checked mode's signatures keep their own kernel)
     # Elementwise input -> output pairs compute the input's adjoint in the output's cotangent buffer (no zeroed
     # adjoint, no copy into a scan's carry): see KernelSignature.in_place_pairs.
-    shapes = {**{s.name: a.shape for s, a in zip(sig.array_inputs, arrays)},
-              **{s.name: shape for s, shape in zip(sig.outputs, plan.output_shapes) if s.name not in unused}}
+    shapes = {name: shape for name, shape in _array_shapes(plan, arrays).items() if name not in unused}
     in_place = sig.in_place_pairs_for(shapes, plan.launch_dims)
     if in_place and _in_place_pays(sig, shapes, in_place):
         plan = dataclasses.replace(plan, sig=sig.variant(adjoints_in_place=in_place))
