@@ -26,6 +26,7 @@ from .common import time_call, trace_events, trace_timeline
 from .newton_rollout import _NewtonRollout, _scene, _warpnn_cases
 
 wp.config.quiet = True
+DT = 5e-4  # the step of every rollout here: warpnn's, chained or not, and Newton's own
 
 
 def _per_step(device: dict, calls: int, steps: int) -> dict[str, tuple[float, float]]:
@@ -71,7 +72,7 @@ def chained_rollouts(scene, steps: int, unroll: int, calls: int = 20) -> None:
     from warpnn_models.newton import NewtonStep, rollout
 
     model, solver, contacts = scene
-    step = NewtonStep(model, solver, 5e-4, contacts=contacts, param_fields=("spring_stiffness",))
+    step = NewtonStep(model, solver, DT, contacts=contacts, param_fields=("spring_stiffness",))
     params, constants = step.initial_params(), step.constants()
     for donate in (False, True):
         fn = jax.jit(lambda s, p, c: rollout(step, s, None, p, num_steps=steps, constants=c, unroll=unroll)[0],
@@ -92,11 +93,11 @@ def profile(particles: int, steps: int, unroll: int, calls: int = 5) -> dict[str
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda:0" if on_gpu else "cpu"
     scene = _scene(particles, device, requires_grad=True)
-    _, cases = _warpnn_cases(scene, steps, 5e-4, (unroll,))
+    _, cases = _warpnn_cases(scene, steps, DT, (unroll,))
     forward, args = cases[f"warpnn fwd{'' if unroll == 1 else f', unroll={unroll}'}"]
     runs = {f"warpnn fwd, unroll={unroll}": lambda: forward(*args)}
     if on_gpu:
-        newton_loop = _NewtonRollout(scene, steps, 5e-4, device)
+        newton_loop = _NewtonRollout(scene, steps, DT, device)
         runs["Newton fwd captured"] = lambda: newton_loop.run("fwd", True)
     report = {}
     for keep in (True, False):
