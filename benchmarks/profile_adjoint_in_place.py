@@ -31,15 +31,15 @@ from .profile_scan import loop_body_ops
 @contextlib.contextmanager
 def _in_place(mode: str):
     """Trace with the library's choice, the adjoint always in place, or never; compiled functions keep what they saw."""
-    saved = KernelSignature.in_place_pairs_for, _bridge._in_place_pays
+    saved = KernelSignature.in_place_pairs_for, _bridge._adjoint_in_place_pays
     if mode == "in place":
-        _bridge._in_place_pays = lambda sig, shapes, pairs: True
+        _bridge._adjoint_in_place_pays = lambda sig, shapes, pairs: True
     elif mode == "out of place":
         KernelSignature.in_place_pairs_for = lambda self, shapes, dims: ()  # type: ignore[method-assign]
     try:
         yield
     finally:
-        KernelSignature.in_place_pairs_for, _bridge._in_place_pays = saved  # type: ignore[method-assign]
+        KernelSignature.in_place_pairs_for, _bridge._adjoint_in_place_pays = saved  # type: ignore[method-assign]
 
 
 def _entries_per_step(fn, args, calls: int = 10) -> float:

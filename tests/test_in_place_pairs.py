@@ -147,7 +147,7 @@ def test_each_input_and_output_pairs_once_and_only_at_matching_shapes():
 def in_place_wherever_possible(monkeypatch):
     """These tests check the pairs themselves: share buffers wherever the kernel allows, as on the CPU, also on a
     GPU with XLA's default flags (where warpnn keeps small pairs apart: see the policy's test)."""
-    monkeypatch.setattr(_bridge, "_in_place_pays", lambda sig, shapes, pairs: True)
+    monkeypatch.setattr(_bridge, "_adjoint_in_place_pays", lambda sig, shapes, pairs: True)
 
 
 @pytest.mark.parametrize("backend, xla_flags, nbytes, expected", [
@@ -157,13 +157,25 @@ def in_place_wherever_possible(monkeypatch):
     ("gpu", "--xla_gpu_graph_min_graph_size=1 --xla_cmd_buffer_trace_cache_size=1024", 16, True),
     ("gpu", "--xla_gpu_graph_min_graph_size=1 --xla_gpu_graph_min_graph_size=5", 16, False),  # the last one counts
 ])
-def test_on_a_gpu_small_pairs_stay_out_of_place_unless_xla_captures_short_graphs(monkeypatch, backend, xla_flags,
+def test_on_a_gpu_small_adjoints_stay_out_of_place_unless_xla_captures_short_graphs(monkeypatch, backend, xla_flags,
                                                                                  nbytes, expected):
     monkeypatch.undo()  # the library's own policy, not the autouse fixture's
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     monkeypatch.setenv("XLA_FLAGS", xla_flags)
     shapes = {"x": (nbytes // 4,), "alpha": (nbytes // 4,), "y": (nbytes // 4,)}
-    assert _bridge._in_place_pays(signature_of(blend, 1), shapes, (("x", "y"),)) is expected
+    assert _bridge._adjoint_in_place_pays(signature_of(blend, 1), shapes, (("x", "y"),)) is expected
+
+
+def test_the_forward_writes_in_place_whatever_the_adjoints_policy(monkeypatch):
+    """The adjoint's policy weighs a lost CUDA graph; a one-kernel forward loop body is under XLA's minimum
+    either way, so the forward of an elementwise pair is written in place on every backend and with any flags."""
+    monkeypatch.setattr(_bridge, "_adjoint_in_place_pays", lambda sig, shapes, pairs: False)
+    f = warpnn.jax_kernel(blend)
+    x, alpha = _blend_inputs()
+    assert "output_to_operand_aliasing" in _scan_forward(f, alpha).lower(x).compile().as_text()
+    grad_text = jax.jit(jax.grad(lambda x: jnp.sum(f(x, alpha)[0]))).lower(x).as_text()
+    adjoint_calls = [line for line in grad_text.splitlines() if "custom_call" in line and "adjoint" in line]
+    assert adjoint_calls and all("output_operand_alias" not in line for line in adjoint_calls)
 
 
 @pytest.fixture

@@ -735,18 +735,21 @@ def _array_shapes(plan: _CallPlan, arrays) -> dict[str, tuple[int, ...]]:
 
 
 def _with_outputs_in_place(plan: _CallPlan, arrays) -> _CallPlan:
-    """``plan`` with the elementwise pairs whose output this call writes into the input's buffer, where that pays
-    (``_in_place_pays``). XLA copies the input first where anything else still reads it (the caller's array
-    among them), so nothing the caller holds changes; in a ``lax.scan`` carrying the input it spares the copy
-    of the output into the carry."""
+    """``plan`` with its elementwise pairs' outputs written into their inputs' buffers.
+
+    XLA copies the input first where anything else still reads it (the caller's array among them), so nothing
+    the caller holds changes; in a ``lax.scan`` carrying the input it spares the copy of the output into the
+    carry. Unlike the adjoint's (``_adjoint_in_place_pays``) this choice needs no policy: a one-kernel forward
+    loop body is under XLA's minimum for a CUDA graph either way (three operations, or two), and the copy it
+    moves from the loop to a call whose input the caller keeps costs the same in both places. Measured on an
+    H200 with default flags (docs/benchmarks-speed-gpu.md): a 4096-element forward scan step, 1.04× pure JAX
+    written in place against 1.54-1.69× out of place.
+    """
     sig = plan.sig
     if type(sig) is not KernelSignature:
         return plan  # (checked mode's signatures: their outputs are zeroed first, never written in place)
-    shapes = _array_shapes(plan, arrays)
-    pairs = sig.in_place_pairs_for(shapes, plan.launch_dims)
-    if not pairs or not _in_place_pays(sig, shapes, pairs):
-        return plan
-    return dataclasses.replace(plan, outputs_in_place=pairs)
+    pairs = sig.in_place_pairs_for(_array_shapes(plan, arrays), plan.launch_dims)
+    return dataclasses.replace(plan, outputs_in_place=pairs) if pairs else plan
 
 
 def _differentiable_call_fwd(plan, *primals):
@@ -765,15 +768,16 @@ def _differentiable_call_fwd(plan, *primals):
     return results, (arrays, kept, _Static(adjoint_plan))
 
 
-# Pairs whose arrays are at least this big share buffers on a GPU even with XLA's default flags (see
-# _in_place_pays): docs/benchmarks-speed-gpu.md.
+# Pairs whose arrays are at least this big compute adjoints in place on a GPU even with XLA's default flags
+# (see _adjoint_in_place_pays): docs/benchmarks-speed-gpu.md.
 IN_PLACE_MIN_BYTES = 1 << 24
 
 
-def _in_place_pays(sig: KernelSignature, shapes: dict[str, tuple[int, ...]], pairs) -> bool:
-    """Whether sharing the buffers of ``pairs`` (``KernelSignature.in_place_pairs_for``) can only save time here.
+def _adjoint_in_place_pays(sig: KernelSignature, shapes: dict[str, tuple[int, ...]], pairs) -> bool:
+    """Whether computing the adjoints of ``pairs`` (``KernelSignature.in_place_pairs_for``) in the outputs'
+    cotangent buffers can only save time here.
 
-    It saves a buffer and a copy per call (and backward, a memset). On a GPU with XLA's default flags it can also
+    It saves a buffer, a memset and a copy per call. On a GPU with XLA's default flags it can also
     cost a CUDA graph: the backward body of a ``lax.scan`` over one elementwise kernel drops to four
     operations, under XLA's minimum of five for a graph (``--xla_gpu_graph_min_graph_size``), and then XLA
     enters the handler every step; measured on an H200, a 4096-element scan's fwd+bwd step went from 15.3 to
@@ -814,7 +818,7 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     # adjoint, no copy into a scan's carry): see KernelSignature.in_place_pairs.
     shapes = {name: shape for name, shape in _array_shapes(plan, arrays).items() if name not in unused}
     in_place = sig.in_place_pairs_for(shapes, plan.launch_dims)
-    if in_place and _in_place_pays(sig, shapes, in_place):
+    if in_place and _adjoint_in_place_pays(sig, shapes, in_place):
         plan = dataclasses.replace(plan, sig=sig.variant(adjoints_in_place=in_place))
         sig = plan.sig
     if unused:
