@@ -317,6 +317,70 @@ def test_private_rows_analysis():
     assert private == {"x", "y"}
 
 
+@wp.kernel
+def _gather_scatter_rows(x: wp.array(dtype=float), pairs: wp.array(dtype=wp.vec2i), tri: wp.array2d(dtype=int),
+                         f: wp.array(dtype=float), g: wp.array(dtype=float), h: wp.array(dtype=float)):
+    s = wp.tid()
+    ij = pairs[s]
+    i = ij[0]
+    a = tri[s, 0]
+    wp.atomic_add(f, i, x[a])      # f at pairs' values; x read at tri's
+    g[pairs[s][1]] += 1.0          # an index not bound to a name: no window
+    wp.atomic_add(h, i + 1, 2.0)   # an index computed from one: no window
+
+
+@wp.kernel
+def _rewritten_row(x: wp.array(dtype=float), pairs: wp.array(dtype=wp.vec2i), f: wp.array(dtype=float)):
+    s = wp.tid()
+    ij = pairs[s]
+    ij[0] = ij[0] + 1  # the row vector no longer holds the index array's values
+    wp.atomic_add(f, ij[0], x[ij[1]])
+
+
+def test_row_windows_analysis():
+    from warpnn._signature import signature_of
+
+    assert signature_of(spring_forces, 1).thread_row_windows == {"pos": ("springs",), "f": ("springs",)}
+    assert signature_of(_gather_scatter_rows, 3).thread_row_windows == {"x": ("tri",), "f": ("pairs",)}
+    assert signature_of(_rewritten_row, 1).thread_row_windows == {}
+    assert signature_of(heat_step, 1).thread_row_windows == {}  # read at neighbours of wp.tid(), no index array
+
+
+def _window_case(n: int, shuffled: bool):
+    pos, springs, stiffness, rest = springs_case(n)  # stretch springs (i, i + 1), then bend springs (i, i + 2)
+    order = jax.random.permutation(jax.random.PRNGKey(7), springs.shape[0]) if shuffled else jnp.argsort(springs[:, 0])
+    return pos, springs[order], stiffness[order], rest[order]
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_threaded_scatters_zero_and_sum_only_the_rows_their_indices_reach(cpu_threads, shuffled):
+    """Each slice's partial buffer covers the rows between its smallest and largest index: its share of the rows
+    for springs sorted by particle, about all of them shuffled, and the results agree with one thread and pure JAX either way."""
+    fn = spring_forces_fn()
+    pos, springs, stiffness, rest = _window_case(400, shuffled)
+
+    def loss(pos, k):
+        return jnp.sum(fn(pos, springs, k, rest, 1.0) ** 2)
+
+    run = lambda: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(pos, stiffness)
+    rows = LAUNCHER.impl.twins.partial_rows
+    cpu_threads(1)
+    single = jax.tree.map(np.asarray, run())
+    cpu_threads(4)
+    jax.block_until_ready(run())
+    before = rows()
+    threaded = jax.tree.map(np.asarray, run())
+    zeroed = rows() - before  # forward: f; adjoint: pos's adjoint; 3 workers with partials each
+    whole = 2 * 3 * pos.shape[0]
+    if shuffled:
+        assert zeroed > whole // 2
+    else:
+        assert zeroed < whole // 2
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-5, atol=1e-5), threaded, single)
+    ref = jax.value_and_grad(lambda p, k: jnp.sum(spring_forces_ref(p, springs, k, rest, 1.0) ** 2), argnums=(0, 1))
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-4, atol=1e-4), threaded, ref(pos, stiffness))
+
+
 def test_threaded_race_free_kernels_are_bitwise_single_threaded(cpu_threads):
     heat = warpnn.jax_kernel(heat_step)
     sq = warpnn.jax_kernel(scale_square)

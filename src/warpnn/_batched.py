@@ -565,17 +565,20 @@ def declare_native(lib) -> None:
     lib.warpnn_set_twin.restype = c.c_int32
     lib.warpnn_set_twin_entry.argtypes = [c.c_int64, c.c_int32, c.c_int32, c.c_int32, c.c_void_p, c.c_void_p, c.c_void_p] + [c.c_int32] * 5
     lib.warpnn_set_twin_entry.restype = c.c_int32
-    lib.warpnn_set_twin_partials.argtypes = [c.c_int64, c.c_int32, c.POINTER(c.c_int32), c.c_int32, c.POINTER(c.c_int32)]
+    lib.warpnn_set_twin_partials.argtypes = [c.c_int64, c.c_int32, c.POINTER(c.c_int32), c.POINTER(c.c_int32),
+                                             c.c_int32, c.POINTER(c.c_int32), c.POINTER(c.c_int32)]
     lib.warpnn_set_twin_partials.restype = c.c_int32
     lib.warpnn_set_cpu_threads.argtypes = [c.c_int32, c.c_int64]
     lib.warpnn_set_cpu_threads.restype = None
     lib.warpnn_kernel_launches.argtypes = [c.c_int32]
     lib.warpnn_kernel_launches.restype = c.c_int64
     lib.warpnn_threaded_launches.restype = c.c_int64
+    lib.warpnn_partial_rows.restype = c.c_int64
 
 
 # Partial-buffer kinds (warpnn_ffi.c: kPartialPrivate, kPartialNone, K_INT, K_UINT, K_FLOAT).
 _PRIVATE, _NO_REDUCTION, _K_INT, _K_UINT, _K_FLOAT = -2, -1, 0, 1, 2
+_MAX_WINDOW_SOURCES = 4  # warpnn_ffi.c: kMaxWindowSources
 
 
 def _read_results(sig) -> tuple[str, ...]:
@@ -619,6 +622,10 @@ class NativeTwins:
 
     def threaded_launches(self) -> int:
         return self._lib.warpnn_threaded_launches()
+
+    def partial_rows(self) -> int:
+        """Rows of per-worker partial buffers that threaded CPU launches zeroed and summed, since the start."""
+        return self._lib.warpnn_partial_rows()
 
     def prepare(self, sig, batched: bool = True) -> str | None:
         """Register the batched (or row) twin of ``sig`` on this trace's devices; None when ready, else the
@@ -698,9 +705,27 @@ class NativeTwins:
         adj += [_PRIVATE if s.name in private else _NO_REDUCTION for s in sig.carried_adjoints]
         fwd_arr = (ctypes.c_int32 * max(1, len(fwd)))(*fwd)
         adj_arr = (ctypes.c_int32 * max(1, len(adj)))(*adj)
-        rc = self._lib.warpnn_set_twin_partials(kid, len(fwd), fwd_arr, len(adj), adj_arr)
+        fwd_windows = _window_table(sig, original, sig.results)
+        adj_windows = _window_table(sig, original, (*sig.adjoint_inputs, *sig.carried_adjoints))
+        rc = self._lib.warpnn_set_twin_partials(kid, len(fwd), fwd_arr, fwd_windows, len(adj), adj_arr, adj_windows)
         if rc != 0:
             raise RuntimeError(f"the native library refused the twin's partial kinds ({rc})")
+
+
+def _window_table(sig, args_struct, results) -> Any:
+    """Per result, the index arrays bounding the rows a CPU slice touches (``KernelSignature.thread_row_windows``):
+    for each of ``_MAX_WINDOW_SOURCES`` slots, (args-struct offset, integer bytes, element bytes), offset -1 for
+    none. A result with more sources than that keeps whole partial buffers."""
+    by_name = {s.name: s for s in sig.inputs}
+    table = []
+    for spec in results:
+        sources = sig.thread_row_windows.get(spec.name, ())
+        rows = [(getattr(args_struct, name).offset, by_name[name].dtype.itemsize,
+                 wp.types.type_size_in_bytes(by_name[name].warp_type.dtype))
+                for name in sources] if len(sources) <= _MAX_WINDOW_SOURCES else []
+        rows += [(-1, 0, 0)] * (_MAX_WINDOW_SOURCES - len(rows))
+        table += [v for row in rows for v in row]
+    return (ctypes.c_int32 * max(1, len(table)))(*table)
 
 
 def _address(fn) -> int:

@@ -7,6 +7,7 @@ parameters are inputs (arrays or scalars), the last ``num_outputs`` are output a
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import functools
 import itertools
@@ -364,6 +365,27 @@ class KernelSignature:
             return frozenset(), frozenset(a.name for a in (*self.inputs, *self.outputs) if a.is_array)
 
     @functools.cached_property
+    def thread_row_windows(self) -> dict[str, tuple[str, ...]]:
+        """For arrays a thread touches only at rows it read from integer arrays: those index arrays, by array.
+
+        ``ij = springs[s]; i = ij[0]; wp.atomic_add(f, i, fs)``: every access of ``f`` (and, in the adjoint,
+        of ``x`` read as ``x[i]``) has as its first index a value read from the thread's own rows of ``springs``
+        (its first ``wp.tid()`` coordinate; each name bound once, row vectors never written). A slice of the
+        launch then touches only the rows between the smallest and the largest value in its rows of
+        ``springs``, so its partial buffer needs zeroing and summing there only (``warpnn_ffi.c``). Index arrays
+        are pure integer inputs. Found conservatively in the source; struct fields get none.
+        """
+        results = {a.name for a in (*self.in_out, *self.outputs)}
+        index_arrays = {a.name: a for a in self.inputs
+                        if a.is_array and not a.is_struct and a.dtype is not None and a.dtype.kind == "i"
+                        and a.name not in results}
+        try:
+            return _row_windows(self.kernel.adj.tree, [a.name for a in (*self.inputs, *self.outputs) if a.is_array],
+                                index_arrays)
+        except Exception:  # noqa: BLE001 - no source tree: no windows (whole partial buffers)
+            return {}
+
+    @functools.cached_property
     def input_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.inputs)
 
@@ -445,25 +467,101 @@ _ATOMIC_CALLS = {"atomic_add", "atomic_sub", "atomic_min", "atomic_max"}
 _METADATA_ATTRS = {"shape", "ndim", "strides", "size"}
 
 
-def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], frozenset[str]]:
-    """See ``KernelSignature.thread_private_arrays``."""
-    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
-    first = None
-    for stmt in fn.body:  # the first coordinate: `i = wp.tid()` or `i, j = wp.tid()` at the top level
+def _bindings(fn: ast.FunctionDef) -> collections.Counter:
+    """How many times each plain name is bound in ``fn`` (assignments, augmented assignments, loop targets)."""
+    count: collections.Counter = collections.Counter()
+    for n in ast.walk(fn):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
+        for t in targets:
+            count.update(e.id for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name))
+    return count
+
+
+def _first_coordinate(fn: ast.FunctionDef, bindings: collections.Counter) -> str | None:
+    """The name of the first ``wp.tid()`` coordinate (``i = wp.tid()``, ``i, j = wp.tid()`` at the top level),
+    if it is bound only there: a name bound again no longer names this thread's slice."""
+    for stmt in fn.body:
         if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
             func = stmt.value.func
             if getattr(func, "attr", getattr(func, "id", None)) == "tid" and len(stmt.targets) == 1:
                 target = stmt.targets[0]
                 lead = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
-                first = lead.id if isinstance(lead, ast.Name) else None
-                break
-    rebinds = 0
-    for n in ast.walk(fn):  # a first coordinate bound more than once no longer names this thread's slice
-        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
-        for t in targets:
-            rebinds += sum(isinstance(e, ast.Name) and e.id == first for e in (t.elts if isinstance(t, ast.Tuple) else [t]))
-    if rebinds != 1:
-        first = None
+                return lead.id if isinstance(lead, ast.Name) and bindings[lead.id] == 1 else None
+    return None
+
+
+def _first_index(index: ast.AST) -> ast.AST:
+    return index.elts[0] if isinstance(index, ast.Tuple) and index.elts else index
+
+
+def _row_windows(tree: ast.AST, names: list[str], index_arrays: dict[str, ArgSpec]) -> dict[str, tuple[str, ...]]:
+    """See ``KernelSignature.thread_row_windows``."""
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+    bindings = _bindings(fn)
+    first = _first_coordinate(fn, bindings)
+    if first is None or not index_arrays:
+        return {}
+
+    def own_rows(node: ast.AST) -> str | None:
+        """``idx[first, ...]`` over a whole element of an index array: the array's name."""
+        if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in index_arrays):
+            return None
+        lead = _first_index(node.slice)
+        coords = len(node.slice.elts) if isinstance(node.slice, ast.Tuple) else 1
+        own = isinstance(lead, ast.Name) and lead.id == first
+        return node.value.id if own and coords == index_arrays[node.value.id].warp_ndim else None
+
+    rows: dict[str, str] = {}  # names bound to one row vector of an index array (`ij = springs[s]`): its array
+    values: dict[str, tuple[str, str | None]] = {}  # names bound to one integer of the thread's rows: (array, row vector)
+    singles = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
+               and isinstance(n.targets[0], ast.Name) and bindings[n.targets[0].id] == 1]
+    for _ in range(2):  # row vectors, then their components, whatever the order of the statements
+        for n in singles:
+            name, value = n.targets[0].id, n.value
+            source = own_rows(value)
+            if source is not None:
+                if index_arrays[source].inner_shape:
+                    rows[name] = source
+                else:
+                    values[name] = (source, None)
+            elif isinstance(value, ast.Subscript) and not isinstance(value.slice, ast.Tuple):
+                inner = value.value  # `ij[k]` of a row vector, or `springs[s][k]`
+                if isinstance(inner, ast.Name) and inner.id in rows:
+                    values[name] = (rows[inner.id], inner.id)
+                elif own_rows(inner) is not None and index_arrays[own_rows(inner)].inner_shape:
+                    values[name] = (own_rows(inner), None)
+    # A row vector that is written (`ij[0] = ...`) or used other than read by component holds other values.
+    component_reads = {id(n.value) for n in ast.walk(fn) if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Load)}
+    changed = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id in rows
+               and not isinstance(n.ctx, ast.Store) and id(n) not in component_reads}
+    index_of = {name: array for name, (array, vector) in values.items() if vector not in changed}
+
+    def index_source(index: ast.AST) -> str | None:
+        lead = _first_index(index)
+        return index_of.get(lead.id) if isinstance(lead, ast.Name) else None
+
+    sources: dict[str, set[str]] = {}
+    allowed: set[int] = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and index_source(n.slice):
+            allowed.add(id(n.value))
+            sources.setdefault(n.value.id, set()).add(index_source(n.slice))
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.attr in _METADATA_ATTRS:
+            allowed.add(id(n.value))
+        elif isinstance(n, ast.Call) and len(n.args) >= 2 and isinstance(n.args[0], ast.Name):
+            if getattr(n.func, "attr", getattr(n.func, "id", None)) in _ATOMIC_CALLS and index_source(n.args[1]):
+                allowed.add(id(n.args[0]))
+                sources.setdefault(n.args[0].id, set()).add(index_source(n.args[1]))
+    return {
+        name: tuple(sorted(sources[name])) for name in names
+        if name in sources and all(id(n) in allowed for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name)
+    }
+
+
+def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """See ``KernelSignature.thread_private_arrays``."""
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+    first = _first_coordinate(fn, _bindings(fn))
 
     def own(index: ast.AST) -> bool:
         lead = index.elts[0] if isinstance(index, ast.Tuple) and index.elts else index

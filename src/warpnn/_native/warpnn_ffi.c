@@ -635,6 +635,7 @@ static pool_fn g_job_fn;
 static void* g_job_ctx;
 static int g_job_workers;
 static _Atomic int64_t g_threaded_launches;
+static _Atomic int64_t g_partial_rows; /* rows of partial buffers zeroed (and summed) by threaded launches */
 
 static void* pool_main(void* arg) {
     int index = (int)(intptr_t)arg;
@@ -699,16 +700,33 @@ WARPNN_EXPORT int64_t warpnn_threaded_launches(void) {
     return atomic_load_explicit(&g_threaded_launches, memory_order_relaxed);
 }
 
+WARPNN_EXPORT int64_t warpnn_partial_rows(void) {
+    return atomic_load_explicit(&g_partial_rows, memory_order_relaxed);
+}
+
 /* How each result of a mode may be written by a slice of the first coordinate (kPartialPrivate: only in its own
  * rows; a K_* kind: anywhere, reduced through partial buffers of that kind; kPartialNone: anywhere, no reduction
- * known: such a launch is not split by rows). */
+ * known: such a launch is not split by rows).
+ *
+ * A reduced result may also have window sources (KernelSignature.thread_row_windows): integer index arrays whose
+ * values, read at the thread's own rows, are the only rows of the result the thread touches. A slice's partial
+ * buffer is then zeroed and summed only between the smallest and the largest of those values in its rows. */
+enum { kMaxWindowSources = 4 };
+typedef struct {
+    int32_t field;      /* args-struct offset of the index array's array_t; < 0: no (more) sources */
+    int32_t int_bytes;  /* 4 or 8: its integers */
+    int32_t elem_bytes; /* bytes of one Warp element (vec2i: 8), to check the array is dense */
+} WindowSource;
+
 typedef struct {
     int32_t num[2];
     int32_t* kind[2];
+    WindowSource* window[2]; /* num[m] * kMaxWindowSources */
 } PartialKinds;
 
 WARPNN_EXPORT int32_t warpnn_set_twin_partials(int64_t kernel_id, int32_t num_fwd, const int32_t* fwd,
-                                               int32_t num_adj, const int32_t* adj) {
+                                               const int32_t* fwd_windows, int32_t num_adj, const int32_t* adj,
+                                               const int32_t* adj_windows) {
     KernelDesc* d = lookup(kernel_id);
     if (!d) return 1;
     if (num_fwd != d->num_rets[0] || num_adj != d->num_rets[1] || num_fwd > 64 || num_adj > 64) return 4;
@@ -717,9 +735,21 @@ WARPNN_EXPORT int32_t warpnn_set_twin_partials(int64_t kernel_id, int32_t num_fw
     pk->num[0] = num_fwd;
     pk->num[1] = num_adj;
     for (int m = 0; m < 2; ++m) {
-        pk->kind[m] = (int32_t*)calloc((size_t)(pk->num[m] ? pk->num[m] : 1), sizeof(int32_t));
-        if (!pk->kind[m]) return 2;
+        size_t n = (size_t)(pk->num[m] ? pk->num[m] : 1);
+        pk->kind[m] = (int32_t*)calloc(n, sizeof(int32_t));
+        pk->window[m] = (WindowSource*)calloc(n * kMaxWindowSources, sizeof(WindowSource));
+        if (!pk->kind[m] || !pk->window[m]) return 2;
         memcpy(pk->kind[m], m ? adj : fwd, sizeof(int32_t) * (size_t)pk->num[m]);
+        const int32_t* w = m ? adj_windows : fwd_windows; /* per result and source: field, int bytes, elem bytes */
+        for (size_t k = 0; k < (size_t)pk->num[m] * kMaxWindowSources; ++k) {
+            WindowSource* ws = &pk->window[m][k];
+            ws->field = w[3 * k];
+            ws->int_bytes = w[3 * k + 1];
+            ws->elem_bytes = w[3 * k + 2];
+            if (ws->field >= 0 && ((ws->int_bytes != 4 && ws->int_bytes != 8) || ws->elem_bytes < ws->int_bytes ||
+                                   ws->field + (int64_t)sizeof(wp_array_t) > d->args_size))
+                return 4;
+        }
     }
     atomic_store_explicit(&d->partials, (void*)pk, memory_order_release);
     return 0;
@@ -750,7 +780,48 @@ typedef struct {
     const size_t* partial_offset; /* per result, offset in one worker's partial area */
     size_t partial_stride;        /* bytes of one worker's partial area */
     int32_t scalar_bytes_of[64];
+    int64_t ret_rows[64];             /* rows (first dim) of each result */
+    const WindowSource* windows;      /* per result, kMaxWindowSources; NULL: every partial covers all rows */
+    int64_t* window_rows;             /* per worker >= 1 and result: the [first, end) rows its partial covers */
 } CpuSplit;
+
+/* The rows of result r that the launch rows [lo, hi) may touch: between the smallest and the largest integer in
+ * those rows of the result's index arrays (see PartialKinds). All rows where an index array is not a dense
+ * array of its rows, or an index falls outside the result (the launch writes there as it would on one thread). */
+static void row_window(const CpuSplit* c, int32_t r, int64_t lo, int64_t hi, int64_t* first, int64_t* end) {
+    int64_t rows = c->ret_rows[r], smallest = INT64_MAX, largest = INT64_MIN;
+    *first = 0;
+    *end = rows;
+    const WindowSource* src = c->windows ? c->windows + (size_t)r * kMaxWindowSources : NULL;
+    if (!src || src[0].field < 0) return;
+    for (int k = 0; k < kMaxWindowSources && src[k].field >= 0; ++k) {
+        wp_array_t a;
+        memcpy(&a, c->args + src[k].field, sizeof(a));
+        if (!a.data || a.ndim < 1 || a.ndim > kMaxDims || hi > a.shape[0]) return;
+        int64_t dense = src[k].elem_bytes;
+        for (int dim = a.ndim - 1; dim >= 0; --dim) {
+            if (a.shape[dim] < 0 || a.strides[dim] != dense) return;
+            dense *= a.shape[dim];
+        }
+        const uint8_t* from = (const uint8_t*)(uintptr_t)a.data + lo * (int64_t)a.strides[0];
+        size_t count = (size_t)(hi - lo) * ((size_t)a.strides[0] / (size_t)src[k].int_bytes);
+#define WARPNN_MINMAX(T)                                                   \
+    for (size_t i = 0; i < count; ++i) {                                   \
+        int64_t v = (int64_t)((const T*)from)[i];                          \
+        smallest = v < smallest ? v : smallest;                            \
+        largest = v > largest ? v : largest;                               \
+    }
+        if (src[k].int_bytes == 4) { WARPNN_MINMAX(int32_t) }
+        else { WARPNN_MINMAX(int64_t) }
+#undef WARPNN_MINMAX
+    }
+    if (smallest > largest) {
+        *end = 0; /* no index at all: the slice touches no row */
+    } else if (smallest >= 0 && largest < rows) {
+        *first = smallest;
+        *end = largest + 1;
+    }
+}
 
 static void cpu_split_launch(void* ctx_, int w, int n) {
     CpuSplit* c = (CpuSplit*)ctx_;
@@ -764,8 +835,16 @@ static void cpu_split_launch(void* ctx_, int w, int n) {
     memcpy(args + c->split_field, &first, 4);
     if (w > 0 && c->partials) {
         uint8_t* mine = c->partials + (size_t)(w - 1) * c->partial_stride;
-        for (int32_t r = 0; r < c->num_rets; ++r)
-            if (c->kinds[r] != kPartialPrivate) memset(mine + c->partial_offset[r], 0, c->ret_bytes[r]);
+        for (int32_t r = 0; r < c->num_rets; ++r) {
+            if (c->kinds[r] == kPartialPrivate) continue;
+            int64_t* window = c->window_rows + ((size_t)(w - 1) * (size_t)c->num_rets + (size_t)r) * 2;
+            row_window(c, r, lo, hi, &window[0], &window[1]);
+            size_t row_bytes = c->ret_bytes[r] / (size_t)(c->ret_rows[r] > 0 ? c->ret_rows[r] : 1);
+            atomic_fetch_add_explicit(&g_partial_rows, window[1] - window[0], memory_order_relaxed);
+            if (window[1] > window[0])
+                memset(mine + c->partial_offset[r] + (size_t)window[0] * row_bytes, 0,
+                       (size_t)(window[1] - window[0]) * row_bytes);
+        }
         for (int32_t k = 0; k < c->num_arrays; ++k) {
             const ArraySlot* as = &c->arrays[k];
             if (as->source >= 0 || c->kinds[-as->source - 1] == kPartialPrivate) continue;
@@ -788,7 +867,8 @@ static void cpu_split_launch(void* ctx_, int w, int n) {
     }
 }
 
-/* After the launch: result[slice] += partial_1[slice] + ... + partial_{n-1}[slice], slices by worker. */
+/* After the launch: result[slice] += partial_1[slice] + ... + partial_{n-1}[slice], slices by worker, each partial
+ * within the rows its worker zeroed. */
 typedef struct {
     CpuSplit* split;
     int launch_workers;
@@ -802,11 +882,16 @@ static void cpu_split_reduce(void* ctx_, int w, int n) {
         if (kind == kPartialPrivate) continue;
         size_t item = (size_t)c->scalar_bytes_of[r];
         size_t count = c->ret_bytes[r] / item, lo = count * (size_t)w / (size_t)n, hi = count * (size_t)(w + 1) / (size_t)n;
+        size_t per_row = count / (size_t)(c->ret_rows[r] > 0 ? c->ret_rows[r] : 1);
         for (int p = 1; p < red->launch_workers; ++p) {
             const uint8_t* src = c->partials + (size_t)(p - 1) * c->partial_stride + c->partial_offset[r];
             uint8_t* dst = c->ret_data[r];
+            const int64_t* window = c->window_rows + ((size_t)(p - 1) * (size_t)c->num_rets + (size_t)r) * 2;
+            size_t from = (size_t)window[0] * per_row, to = (size_t)window[1] * per_row;
+            from = from > lo ? from : lo;
+            to = to < hi ? to : hi;
 #define WARPNN_ADD(T)                                                                            \
-    for (size_t i = lo; i < hi; ++i) ((T*)dst)[i] = (T)(((T*)dst)[i] + ((const T*)src)[i]);
+    for (size_t i = from; i < to; ++i) ((T*)dst)[i] = (T)(((T*)dst)[i] + ((const T*)src)[i]);
             if (kind == K_FLOAT && item == 4) { WARPNN_ADD(float) }
             else if (kind == K_FLOAT && item == 8) { WARPNN_ADD(double) }
             else if (item == 1) { WARPNN_ADD(uint8_t) }
@@ -1019,7 +1104,7 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
     int64_t by_work = (int64_t)(total * inner / (uint64_t)(min_work > 0 ? min_work : 1)); /* elements, not rows */
     int workers = threads < by_work ? threads : (int)(by_work < 1 ? 1 : by_work);
     const PartialKinds* pk = (const PartialKinds*)atomic_load_explicit(&((KernelDesc*)d)->partials, memory_order_acquire);
-    size_t partial_stride = 0;
+    size_t partial_stride = 0, partial_cost = 0;
     size_t ret_bytes[64], partial_offset[64];
     uint8_t* ret_data[64];
     int32_t kinds[64];
@@ -1045,16 +1130,22 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
             kinds[r] = pk->kind[mode][r];
             ret_bytes[r] = nbytes;
             ret_data[r] = (uint8_t*)buf->data;
+            c.ret_rows[r] = buf->rank >= 1 ? buf->dims[0] : 1;
             c.scalar_bytes_of[r] = (int32_t)p[P_SCALAR_BYTES];
             if (kinds[r] == kPartialNone) workers = 1;
             if (kinds[r] != kPartialPrivate && kinds[r] != kPartialNone) {
                 partial_offset[r] = partial_stride;
                 partial_stride += (nbytes + 63u) & ~(size_t)63u;
+                /* a windowed partial: each slice zeroes and sums the rows its indices reach, about its share
+                 * where connectivity is ordered (a cloth's springs row by row) */
+                int windowed = !batched && pk->window[mode][(size_t)r * kMaxWindowSources].field >= 0;
+                partial_cost += windowed ? nbytes / (size_t)(threads > 1 ? threads : 1) : nbytes;
             }
         }
+        if (!batched) c.windows = pk->window[mode];
         /* partial buffers cost their zeroing and reduction: keep them within a few times the launch's threads */
-        if (partial_stride && workers > 1) {
-            int64_t affordable = 1 + (int64_t)(16 * total * inner / (partial_stride ? partial_stride : 1));
+        if (partial_cost && workers > 1) {
+            int64_t affordable = 1 + (int64_t)(16 * total * inner / partial_cost);
             if (workers > affordable) workers = (int)affordable;
         }
     } else {
@@ -1073,14 +1164,16 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
     c.ret_data = ret_data;
     c.partial_offset = partial_offset;
     c.partial_stride = partial_stride;
-    size_t structs = (size_t)workers * 2 * args_bytes;
-    uint8_t* scratch = cpu_scratch(structs + (size_t)(workers - 1) * partial_stride);
+    size_t structs = ((size_t)workers * 2 * args_bytes + 63u) & ~(size_t)63u;
+    size_t windows = ((size_t)workers * (size_t)c.num_rets * 2 * sizeof(int64_t) + 63u) & ~(size_t)63u;
+    uint8_t* scratch = cpu_scratch(structs + windows + (size_t)(workers - 1) * partial_stride);
     if (!scratch)
         return make_error(api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "warpnn: kernel '%s': out of host memory",
                           kname);
     c.scratch_args = scratch;
     int by_rows = c.split_field == twin->first_row_offset;
-    c.partials = by_rows && partial_stride ? scratch + structs : NULL;
+    c.window_rows = (int64_t*)(void*)(scratch + structs);
+    c.partials = by_rows && partial_stride ? scratch + structs + windows : NULL;
     if (!by_rows) c.num_rets = 0;
     /* fewer threads than asked (thread creation failed) still cover the launch: slices follow the count used */
     int used = pool_run(cpu_split_launch, &c, workers);
