@@ -51,6 +51,33 @@ def test_tile_matmul_with_cpu_blocks_and_under_vmap(key):
         wp.config.enable_cpu_blocks = saved
 
 
+def test_a_vmapped_tile_kernel_launches_its_cpu_batch_on_one_thread():
+    """Warp's CPU tiles share one static pointer to their memory per module, so two threads in a tile kernel at
+    once corrupt each other's tiles (a crash seen with the batch split across threads): the native handler runs
+    a tile kernel's batch one element after another, whatever the CPU threads."""
+    from warpnn import _batched
+    from warpnn._launch import LAUNCHER
+
+    if LAUNCHER.name != "native" or jax.default_backend() != "cpu":
+        pytest.skip("CPU threads are the native CPU handler's")
+    assert not _batched.cpu_thread_safe(tiles.tile_matmul_kernel)
+    twins = LAUNCHER.impl.twins
+    saved = _batched._LAUNCH_CONFIG.get()
+    a = jax.random.normal(jax.random.PRNGKey(3), (6, 32, 16))
+    b = jax.random.normal(jax.random.PRNGKey(4), (16, 32))
+    try:
+        twins.set_cpu_threads(3, 1)
+        jax.clear_caches()
+        before = twins.threaded_launches()
+        for _ in range(5):
+            got = jax.vmap(lambda a: tiles.tile_matmul(a, b))(a)
+            assert_close(got, jnp.einsum("bmk,kn->bmn", a, b, precision="highest"), *TOL)
+        assert twins.threaded_launches() == before
+    finally:
+        twins.set_cpu_threads(*saved)
+        jax.clear_caches()
+
+
 def test_tile_analysis_sees_tile_store_as_a_write_not_a_read():
     sig = warpnn.jax_kernel(tiles.tile_matmul_kernel).signature
     assert sig.outputs_read == () and sig.reverse_problems == {} and sig.written_inputs == ()

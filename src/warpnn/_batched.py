@@ -268,6 +268,19 @@ def _check_no_block_builtins(tree: ast.AST) -> None:
             raise _Refused(f"it uses '{name}' (tiles and thread blocks see the whole launch, not one element)")
 
 
+def cpu_thread_safe(kernel) -> bool:
+    """Whether two CPU threads may run launches of ``kernel`` at once: not if it uses tiles or thread blocks,
+    whose CPU shared memory Warp keeps behind one static pointer per module (``warp/native/tile.h``), nor if its
+    source cannot be read to tell."""
+    try:
+        _check_no_block_builtins(kernel.adj.tree)
+    except _Refused:
+        return False
+    except Exception:  # noqa: BLE001 - no source tree
+        return False
+    return True
+
+
 def _array_type(arg_type, extra: int):
     """``arg_type`` with ``extra`` more leading dims."""
     return wp.array(dtype=arg_type.dtype, ndim=arg_type.ndim + extra)

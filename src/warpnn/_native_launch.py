@@ -214,6 +214,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         c.c_int32, c.c_int32, c.c_int32, c.c_int32, c.c_int32, c.c_int32, c.c_int32, c.c_int32,
     ]
     lib.warpnn_register_kernel.restype = c.c_int64
+    lib.warpnn_set_cpu_serial.argtypes = [c.c_int64]
+    lib.warpnn_set_cpu_serial.restype = c.c_int32
     lib.warpnn_set_cpu_entry.argtypes = [c.c_int64, c.c_void_p, c.c_void_p, c.c_int32]
     lib.warpnn_set_cpu_entry.restype = c.c_int32
     lib.warpnn_set_cuda_entry.argtypes = [c.c_int64, c.c_int32, c.c_void_p, c.c_void_p, c.c_void_p] + [c.c_int32] * 5
@@ -459,6 +461,8 @@ class NativeLauncher:
             )
             if kid < 0:
                 raise RuntimeError(f"warpnn: the native launcher refused the descriptor of kernel '{sig.key}'")
+            if not _batched.cpu_thread_safe(sig.kernel):
+                self._lib.warpnn_set_cpu_serial(kid)
             self._sigs[kid] = sig
             for device in devices:
                 self._set_entry(kid, sig, device)

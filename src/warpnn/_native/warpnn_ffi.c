@@ -157,6 +157,7 @@ typedef struct {
     _Atomic(DeviceEntry*) twin_cpu[2];
     _Atomic(DeviceEntry*) twin_cuda[2][kMaxCudaDevices];
     _Atomic(void*) partials; /* const PartialKinds*: how the twin's CPU slices may write each result */
+    _Atomic int cpu_serial;  /* 1: never run two CPU launches of this kernel at once (warpnn_set_cpu_serial) */
 } KernelDesc;
 
 /* Immutable once published (never freed, like DeviceEntry). */
@@ -698,6 +699,16 @@ WARPNN_EXPORT void warpnn_set_cpu_threads(int32_t threads, int64_t min_per_worke
 
 WARPNN_EXPORT int64_t warpnn_threaded_launches(void) {
     return atomic_load_explicit(&g_threaded_launches, memory_order_relaxed);
+}
+
+/* Warp's CPU tiles keep their shared memory behind one static pointer per module (warp/native/tile.h: "Ideally
+ * this would be thread_local"), so two threads in a tile kernel at once corrupt each other's tiles. Python marks
+ * such kernels (and any whose source it cannot read); their batches launch one element after another. */
+WARPNN_EXPORT int32_t warpnn_set_cpu_serial(int64_t kernel_id) {
+    KernelDesc* d = lookup(kernel_id);
+    if (!d) return 1;
+    atomic_store(&d->cpu_serial, 1);
+    return 0;
 }
 
 WARPNN_EXPORT int64_t warpnn_partial_rows(void) {
@@ -1581,7 +1592,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     if (cuda && !launch)
         FAIL(XLA_FFI_Error_Code_FAILED_PRECONDITION, "warpnn: kernel '%s': Warp's CUDA launcher is not set", kname);
     if (!cuda) pthread_mutex_lock(&g_cpu_launch_lock);
-    if (!cuda && !cpu_blocks && num_batch > 1) { /* the batch's elements on the CPU threads */
+    if (!cuda && !cpu_blocks && num_batch > 1 && !atomic_load(&d->cpu_serial)) { /* the batch's elements on the CPU threads */
         int threads = atomic_load(&g_cpu_threads);
         int64_t min_work = atomic_load(&g_min_per_worker);
         uint64_t by_work = total * (uint64_t)num_batch / (uint64_t)(min_work > 0 ? min_work : 1);
