@@ -13,7 +13,9 @@ default ``-O2``, at ``-O3`` and at ``-O3 -march=native``, in alternating rounds:
 elementwise one (race-free: slices write their own rows) and a spring-forces scatter (slices accumulate
 into per-thread partial buffers, summed after the launch).
 
-    python -m benchmarks.heat [--sizes 64,256] [--steps 50] [--threads-table] [--opt-levels] [--json]
+    python -m benchmarks.heat [--sizes 64,256] [--steps 50] [--threads-table [--thread-counts 1,4,16]] [--opt-levels] [--json]
+
+``WARPNN_CPU_ROW_WINDOWS=0`` in the environment runs the scatters with whole partial buffers (no row windows).
 """
 
 from __future__ import annotations
@@ -120,9 +122,9 @@ def bench_heat(sizes, steps: int) -> list[dict]:
     return rows
 
 
-def bench_threads(n_elementwise: int, cloth_n: int, heat_n: int) -> list[dict]:
+def bench_threads(n_elementwise: int, cloth_n: int, heat_n: int, counts=None) -> list[dict]:
     full = all_threads()
-    counts = sorted({1, 2, full})
+    counts = sorted(set(counts or (1, 2, full)))
     x = jax.random.normal(jax.random.PRNGKey(0), (n_elementwise,))
     a = jnp.array([0.3])
     px, pv, springs, k, d, r, w = spring_problem(cloth_n)
@@ -218,17 +220,21 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", default="64,256")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads-table", action="store_true")
+    parser.add_argument("--thread-counts", default=None, help="for --threads-table, e.g. 1,4,8,16 (default 1, 2, all)")
     parser.add_argument("--opt-levels", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    opt = bench_opt_levels([int(s) for s in args.sizes.split(",")]) if args.opt_levels else None
-    heat = bench_heat([int(s) for s in args.sizes.split(",")], args.steps)
-    threads = bench_threads(1 << 22, 200, 1024) if args.threads_table else None
+    sizes = [int(s) for s in args.sizes.split(",") if s]  # --sizes "": the other tables only
+    opt = bench_opt_levels(sizes) if args.opt_levels else None
+    heat = bench_heat(sizes, args.steps)
+    counts = [int(c) for c in args.thread_counts.split(",")] if args.thread_counts else None
+    threads = bench_threads(1 << 22, 200, 1024, counts) if args.threads_table else None
     if args.json:
         print(json.dumps({"environment": environment(), "heat": heat, "threads": threads, "opt_levels": opt}))
         return
     print(f"Environment: {environment()}\n")
-    print(heat_table(heat))
+    if heat:
+        print(heat_table(heat))
     if threads:
         print()
         print(threads_table(threads))

@@ -592,6 +592,7 @@ def declare_native(lib) -> None:
 # Partial-buffer kinds (warpnn_ffi.c: kPartialPrivate, kPartialNone, K_INT, K_UINT, K_FLOAT).
 _PRIVATE, _NO_REDUCTION, _K_INT, _K_UINT, _K_FLOAT = -2, -1, 0, 1, 2
 _MAX_WINDOW_SOURCES = 4  # warpnn_ffi.c: kMaxWindowSources
+WINDOWS_ENV = "WARPNN_CPU_ROW_WINDOWS"  # "0": whole partial buffers for every threaded scatter (read per kernel)
 
 
 def _read_results(sig) -> tuple[str, ...]:
@@ -728,11 +729,13 @@ class NativeTwins:
 def _window_table(sig, args_struct, results) -> Any:
     """Per result, the index arrays bounding the rows a CPU slice touches (``KernelSignature.thread_row_windows``):
     for each of ``_MAX_WINDOW_SOURCES`` slots, (args-struct offset, integer bytes, element bytes), offset -1 for
-    none. A result with more sources than that keeps whole partial buffers."""
+    none. A result with more sources than that keeps whole partial buffers, as every result does with
+    ``$WARPNN_CPU_ROW_WINDOWS=0`` (read when a kernel is first registered)."""
     by_name = {s.name: s for s in sig.inputs}
+    windows = sig.thread_row_windows if os.environ.get(WINDOWS_ENV, "1").strip() != "0" else {}
     table = []
     for spec in results:
-        sources = sig.thread_row_windows.get(spec.name, ())
+        sources = windows.get(spec.name, ())
         rows = [(getattr(args_struct, name).offset, by_name[name].dtype.itemsize,
                  wp.types.type_size_in_bytes(by_name[name].warp_type.dtype))
                 for name in sources] if len(sources) <= _MAX_WINDOW_SOURCES else []
