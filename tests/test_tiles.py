@@ -53,8 +53,8 @@ def test_tile_matmul_with_cpu_blocks_and_under_vmap(key):
 
 def test_a_vmapped_tile_kernel_launches_its_cpu_batch_on_one_thread():
     """Warp's CPU tiles share one static pointer to their memory per module, so two threads in a tile kernel at
-    once corrupt each other's tiles (a crash seen with the batch split across threads): the native handler runs
-    a tile kernel's batch one element after another, whatever the CPU threads."""
+    once would use each other's tiles: the native handler runs a tile kernel's batch one element after another,
+    whatever the CPU threads."""
     from warpnn import _batched
     from warpnn._launch import LAUNCHER
 

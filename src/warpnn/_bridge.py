@@ -742,8 +742,8 @@ def _with_outputs_in_place(plan: _CallPlan, arrays) -> _CallPlan:
     carry. Unlike the adjoint's (``_adjoint_in_place_pays``) this choice needs no policy: a one-kernel forward
     loop body is under XLA's minimum for a CUDA graph either way (three operations, or two), and the copy it
     moves from the loop to a call whose input the caller keeps costs the same in both places. Measured on an
-    H200 with default flags (docs/benchmarks-speed-gpu.md): a 4096-element forward scan step, 1.04× pure JAX
-    written in place against 1.54-1.69× out of place.
+    H200 with default flags (docs/benchmarks-speed-gpu.md): a 4096-element forward scan step, 1.05-1.13× pure
+    JAX written in place against 1.70-1.72× out of place.
     """
     sig = plan.sig
     if type(sig) is not KernelSignature:
