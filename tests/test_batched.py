@@ -346,6 +346,29 @@ def test_row_windows_analysis():
     assert signature_of(heat_step, 1).thread_row_windows == {}  # read at neighbours of wp.tid(), no index array
 
 
+def test_a_scatter_whose_partial_buffers_exceed_the_budget_is_not_split(cpu_threads):
+    """Each worker of a split scatter zeroes and sums a partial buffer of the result: past the budget (partial
+    bytes of all workers per launch thread, ``set_cpu_partial_budget``) the launch keeps fewer workers. The
+    stencil's forward writes only its own rows (no partials); its adjoint scatters into u's adjoint."""
+    heat = warpnn.jax_kernel(heat_step)
+    u = jax.random.normal(jax.random.PRNGKey(0), (33, 17))
+    alpha = jnp.array([0.7])
+    grad = lambda: jax.grad(lambda u: jnp.sum(heat(u, alpha, 0.2)[0] ** 2))(u)
+    twins = LAUNCHER.impl.twins
+    expected = jax.grad(lambda u: jnp.sum(heat_step_ref(u, alpha, 0.2) ** 2))(u)
+    launches = {}
+    try:
+        for budget in (1, _batched.DEFAULT_PARTIAL_BUDGET):
+            twins.set_cpu_partial_budget(budget)
+            cpu_threads(3)
+            before = twins.threaded_launches()
+            assert_close(grad(), expected, rtol=1e-5, atol=1e-5)
+            launches[budget] = twins.threaded_launches() - before
+    finally:
+        twins.set_cpu_partial_budget(_batched.DEFAULT_PARTIAL_BUDGET)
+    assert launches == {1: 1, _batched.DEFAULT_PARTIAL_BUDGET: 2}  # the forward alone, then the adjoint too
+
+
 def _window_case(n: int, shuffled: bool):
     pos, springs, stiffness, rest = springs_case(n)  # stretch springs (i, i + 1), then bend springs (i, i + 2)
     order = jax.random.permutation(jax.random.PRNGKey(7), springs.shape[0]) if shuffled else jnp.argsort(springs[:, 0])

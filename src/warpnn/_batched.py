@@ -456,6 +456,8 @@ def _stub_function(original, name: str, params: list[str]):
 CPU_THREADS_ENV = "WARPNN_CPU_THREADS"  # threads for one CPU launch (default: the CPUs this process may use)
 CPU_MIN_WORK_ENV = "WARPNN_CPU_MIN_WORK"  # launch threads (elements) per CPU worker below which a launch is not split
 DEFAULT_MIN_WORK = 8192
+PARTIAL_BUDGET_ENV = "WARPNN_CPU_PARTIAL_BYTES"  # partial-buffer bytes per launch thread a split may zero and sum
+DEFAULT_PARTIAL_BUDGET = 64  # measured: docs/benchmarks-speed-cpu.md ("The partial budget")
 
 
 def cpu_thread_config() -> tuple[int, int]:
@@ -587,6 +589,8 @@ def declare_native(lib) -> None:
     lib.warpnn_kernel_launches.restype = c.c_int64
     lib.warpnn_threaded_launches.restype = c.c_int64
     lib.warpnn_partial_rows.restype = c.c_int64
+    lib.warpnn_set_cpu_partial_budget.argtypes = [c.c_int64]
+    lib.warpnn_set_cpu_partial_budget.restype = None
 
 
 # Partial-buffer kinds (warpnn_ffi.c: kPartialPrivate, kPartialNone, K_INT, K_UINT, K_FLOAT).
@@ -622,6 +626,7 @@ class NativeTwins:
         self._reasons: dict[tuple[int, bool], str | None] = {}
         self._execs: dict[tuple[int, str, bool], Any] = {}  # (kernel id, device, batched): keeps twin code alive
         self.set_cpu_threads(*cpu_thread_config())
+        self.set_cpu_partial_budget(_env_int(PARTIAL_BUDGET_ENV, DEFAULT_PARTIAL_BUDGET))
 
     def set_cpu_threads(self, threads: int, min_work: int | None = None) -> None:
         """Threads for one CPU launch (1: every launch on XLA's calling thread) and the elements per thread
@@ -630,6 +635,11 @@ class NativeTwins:
         min_work = min_work or _LAUNCH_CONFIG.get()[1]
         self._lib.warpnn_set_cpu_threads(int(threads), int(min_work))
         _LAUNCH_CONFIG.set((int(threads), int(min_work)))
+
+    def set_cpu_partial_budget(self, bytes_per_thread: int) -> None:
+        """The partial-buffer bytes (all workers together) a split CPU launch may zero and sum per launch thread:
+        a launch whose scatters need more runs on fewer workers (``$WARPNN_CPU_PARTIAL_BYTES``)."""
+        self._lib.warpnn_set_cpu_partial_budget(int(bytes_per_thread))
 
     def kernel_launches(self) -> dict[str, int]:
         return {"forward": self._lib.warpnn_kernel_launches(0), "adjoint": self._lib.warpnn_kernel_launches(1)}

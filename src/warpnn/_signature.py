@@ -528,8 +528,8 @@ def _row_windows(tree: ast.AST, names: list[str], index_arrays: dict[str, ArgSpe
                 inner = value.value  # `ij[k]` of a row vector, or `springs[s][k]`
                 if isinstance(inner, ast.Name) and inner.id in rows:
                     values[name] = (rows[inner.id], inner.id)
-                elif own_rows(inner) is not None and index_arrays[own_rows(inner)].inner_shape:
-                    values[name] = (own_rows(inner), None)
+                elif (array := own_rows(inner)) is not None and index_arrays[array].inner_shape:
+                    values[name] = (array, None)
     # A row vector that is written (`ij[0] = ...`) or used other than read by component holds other values.
     component_reads = {id(n.value) for n in ast.walk(fn) if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Load)}
     changed = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id in rows

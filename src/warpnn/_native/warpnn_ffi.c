@@ -630,6 +630,7 @@ static pthread_cond_t g_pool_done = PTHREAD_COND_INITIALIZER;
 static int g_pool_started;        /* worker threads created (guarded by g_pool_mu) */
 static _Atomic int g_cpu_threads = 1; /* the pool size Python asked for, caller included */
 static _Atomic int64_t g_min_per_worker = 16384; /* launch threads per worker below which a launch is not split */
+static _Atomic int64_t g_partial_budget = 64; /* partial-buffer bytes per launch thread a split may zero and sum */
 static uint64_t g_pool_generation; /* guarded by g_pool_mu */
 static int g_pool_pending;
 static pool_fn g_job_fn;
@@ -695,6 +696,11 @@ static int pool_run(pool_fn fn, void* ctx, int n) {
 WARPNN_EXPORT void warpnn_set_cpu_threads(int32_t threads, int64_t min_per_worker) {
     atomic_store(&g_cpu_threads, threads < 1 ? 1 : threads > kMaxWorkers ? kMaxWorkers : threads);
     if (min_per_worker > 0) atomic_store(&g_min_per_worker, min_per_worker);
+}
+
+/* The partial-buffer bytes (all workers together) a split launch may zero and sum per launch thread. */
+WARPNN_EXPORT void warpnn_set_cpu_partial_budget(int64_t bytes_per_thread) {
+    if (bytes_per_thread > 0) atomic_store(&g_partial_budget, bytes_per_thread);
 }
 
 WARPNN_EXPORT int64_t warpnn_threaded_launches(void) {
@@ -1154,9 +1160,10 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
             }
         }
         if (!batched) c.windows = pk->window[mode];
-        /* partial buffers cost their zeroing and reduction: keep them within a few times the launch's threads */
+        /* partial buffers cost their zeroing and reduction: all workers' together within g_partial_budget bytes per
+         * launch thread (a small scatter into a big result stays on fewer workers, or one) */
         if (partial_cost && workers > 1) {
-            int64_t affordable = 1 + (int64_t)(16 * total * inner / partial_cost);
+            int64_t affordable = 1 + (int64_t)((uint64_t)atomic_load(&g_partial_budget) * total * inner / partial_cost);
             if (workers > affordable) workers = (int)affordable;
         }
     } else {
