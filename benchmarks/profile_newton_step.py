@@ -9,7 +9,10 @@ times back-to-back calls without the profiler, and counts warpnn's handler entri
 and dropping it first: 0 means XLA replayed the whole rollout from its recorded CUDA graphs; every re-recording
 of a command buffer enters the handler of each FFI call in it again.
 
-    python -m benchmarks.profile_newton_step [--particles 1024] [--steps 50] [--unroll 10]
+``--direction fwd+bwd`` profiles the gradient of the rollout instead (warpnn's ``jax.value_and_grad`` against
+Newton's ``wp.Tape`` forward and backward, captured), with the device operations per step only.
+
+    python -m benchmarks.profile_newton_step [--particles 1024] [--steps 50] [--unroll 10] [--direction fwd+bwd]
 """
 
 from __future__ import annotations
@@ -89,11 +92,13 @@ def chained_rollouts(scene, steps: int, unroll: int, calls: int = 20) -> None:
         idle_gaps(call)
 
 
-def profile(particles: int, steps: int, unroll: int, calls: int = 5) -> dict[str, dict]:
+def profile(particles: int, steps: int, unroll: int, calls: int = 5, direction: str = "fwd") -> dict[str, dict]:
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda:0" if on_gpu else "cpu"
     scene = _scene(particles, device, requires_grad=True)
     _, cases = _warpnn_cases(scene, steps, DT, (unroll,))
+    if direction == "fwd+bwd":
+        return _device_ops_fwd_bwd(scene, cases, steps, unroll, calls, on_gpu)
     forward, args = cases[f"warpnn fwd{'' if unroll == 1 else f', unroll={unroll}'}"]
     runs = {f"warpnn fwd, unroll={unroll}": lambda: forward(*args)}
     if on_gpu:
@@ -131,13 +136,31 @@ def profile(particles: int, steps: int, unroll: int, calls: int = 5) -> dict[str
     return report
 
 
+def _device_ops_fwd_bwd(scene, cases, steps: int, unroll: int, calls: int, on_gpu: bool) -> dict[str, dict]:
+    """Per rollout step of the gradient: wall time back to back, and the device operations of a traced call."""
+    grad, args = cases[f"warpnn fwd+bwd{'' if unroll == 1 else f', unroll={unroll}'}"]
+    runs = {f"warpnn fwd+bwd, unroll={unroll}": lambda: grad(*args)}
+    if on_gpu:
+        newton_loop = _NewtonRollout(scene, steps, DT, "cuda:0")
+        runs["Newton fwd+bwd captured"] = lambda: newton_loop.run("fwd+bwd", True)
+    report = {}
+    for name, fn in runs.items():
+        print(f"{name}: {time_call(fn, reps=20) / steps * 1e6:.1f} µs per step, back-to-back calls", flush=True)
+        _, events, wall = trace_events(fn, calls=calls)
+        ops = _per_step(events, calls, steps)
+        report[name] = {"wall_us": wall / calls / steps * 1e6, "device_us": sum(us for _, us in ops.values()),
+                        "device_ops": sum(n for n, _ in ops.values()), "ops": ops}
+    return report
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--particles", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--unroll", type=int, default=10)
+    parser.add_argument("--direction", choices=("fwd", "fwd+bwd"), default="fwd")
     args = parser.parse_args(argv)
-    for name, r in profile(args.particles, args.steps, args.unroll).items():
+    for name, r in profile(args.particles, args.steps, args.unroll, direction=args.direction).items():
         print(f"\n## {name}: wall {r['wall_us']:.1f} µs per step, device {r['device_us']:.1f} µs in "
               f"{r['device_ops']:.1f} operations (the profiler's own overhead is in the wall time)")
         print("| device operation | per step | µs per step |\n|---|---|---|")
