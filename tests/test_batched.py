@@ -404,6 +404,34 @@ def test_threaded_scatters_zero_and_sum_only_the_rows_their_indices_reach(cpu_th
     jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-4, atol=1e-4), threaded, ref(pos, stiffness))
 
 
+@wp.func
+def _store_pair(out: wp.array(dtype=float), k: int, v: float):
+    out[2 * k] = v
+    out[2 * k + 1] = -v
+
+
+@wp.kernel
+def _stores_through_a_func(x: wp.array(dtype=float), out: wp.array(dtype=float)):
+    i = wp.tid()
+    _store_pair(out, i, x[i])  # stores, at other threads' rows, inside a @wp.func
+
+
+def test_an_array_a_wp_func_stores_into_is_never_summed_through_partial_buffers(cpu_threads):
+    """Summing per-thread partial buffers is right only for arrays a kernel adds into. An array passed to a
+    @wp.func may be stored into there (Newton's integrate_generalized_joints writes joint_q_new in jcalc_integrate):
+    a split launch summing it would add the stored values to the array's old ones (an in-out array), silently."""
+    from warpnn._signature import signature_of
+
+    assert "out" in signature_of(_stores_through_a_func, 1).thread_private_arrays[1]
+    f = warpnn.jax_kernel(_stores_through_a_func, in_out_argnames=["out"], launch_dims=(48,))
+    x = jnp.arange(1.0, 49.0)
+    old = jnp.full((96,), 100.0)
+    expected = jnp.stack([x, -x], 1).reshape(-1)
+    for threads in (1, 3):
+        cpu_threads(threads)
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, o: f(x, o)[0])(x, old)), np.asarray(expected))
+
+
 def test_threaded_race_free_kernels_are_bitwise_single_threaded(cpu_threads):
     heat = warpnn.jax_kernel(heat_step)
     sq = warpnn.jax_kernel(scale_square)

@@ -585,6 +585,22 @@ def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], froz
         elif isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Name):
             if getattr(n.func, "attr", getattr(n.func, "id", None)) in ("atomic_min", "atomic_max", "atomic_exch", "atomic_cas"):
                 assigned.add(n.args[0].id)  # not a sum
+    # Only sums may go through partial buffers: an array used other than read, added into (`a[i] += v`,
+    # wp.atomic_add / atomic_sub) or measured may be stored into elsewhere, e.g. by a @wp.func it is passed to
+    # (Newton's integrate_generalized_joints writes joint_q_new inside jcalc_integrate).
+    summed: set[int] = set()  # ids of Name nodes read, added into or measured
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Load):
+            summed.add(id(n.value))
+        elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Subscript) and isinstance(n.target.value, ast.Name):
+            summed.add(id(n.target.value))
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.attr in _METADATA_ATTRS:
+            summed.add(id(n.value))
+        elif isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Name):
+            if getattr(n.func, "attr", getattr(n.func, "id", None)) in ("atomic_add", "atomic_sub"):
+                summed.add(id(n.args[0]))
+    assigned |= {name for name in names
+                 if not all(id(n) in summed for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name)}
     private = frozenset(
         name for name in names
         if all(id(n) in allowed for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name)
