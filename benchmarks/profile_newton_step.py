@@ -125,15 +125,16 @@ def profile(particles: int, steps: int, unroll: int, calls: int = 5, direction: 
         idle_gaps(fn)
     chained_rollouts(scene, steps, unroll)
     for name, fn in runs.items():
-        _, events, wall = trace_events(fn, calls=calls)
-        ops = _per_step(events, calls, steps)
-        report[name] = {
-            "wall_us": wall / calls / steps * 1e6,
-            "device_us": sum(us for _, us in ops.values()),
-            "device_ops": sum(n for n, _ in ops.values()),
-            "ops": ops,
-        }
+        report[name] = _traced_step(fn, calls, steps)
     return report
+
+
+def _traced_step(fn, calls: int, steps: int) -> dict:
+    """Wall time and device operations per rollout step of ``calls`` traced calls of ``fn``."""
+    _, events, wall = trace_events(fn, calls=calls)
+    ops = _per_step(events, calls, steps)
+    return {"wall_us": wall / calls / steps * 1e6, "device_us": sum(us for _, us in ops.values()),
+            "device_ops": sum(n for n, _ in ops.values()), "ops": ops}
 
 
 def _device_ops_fwd_bwd(scene, cases, steps: int, unroll: int, calls: int, on_gpu: bool) -> dict[str, dict]:
@@ -146,10 +147,7 @@ def _device_ops_fwd_bwd(scene, cases, steps: int, unroll: int, calls: int, on_gp
     report = {}
     for name, fn in runs.items():
         print(f"{name}: {time_call(fn, reps=20) / steps * 1e6:.1f} µs per step, back-to-back calls", flush=True)
-        _, events, wall = trace_events(fn, calls=calls)
-        ops = _per_step(events, calls, steps)
-        report[name] = {"wall_us": wall / calls / steps * 1e6, "device_us": sum(us for _, us in ops.values()),
-                        "device_ops": sum(n for n, _ in ops.values()), "ops": ops}
+        report[name] = _traced_step(fn, calls, steps)
     return report
 
 

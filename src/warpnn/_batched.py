@@ -274,9 +274,7 @@ def cpu_thread_safe(kernel) -> bool:
     source cannot be read to tell."""
     try:
         _check_no_block_builtins(kernel.adj.tree)
-    except _Refused:
-        return False
-    except Exception:  # noqa: BLE001 - no source tree
+    except Exception:  # noqa: BLE001 - _Refused, or no source tree
         return False
     return True
 

@@ -494,6 +494,29 @@ def _first_index(index: ast.AST) -> ast.AST:
     return index.elts[0] if isinstance(index, ast.Tuple) and index.elts else index
 
 
+def _indexed_uses(fn: ast.FunctionDef, key) -> tuple[set[int], dict[str, set]]:
+    """The Name nodes of arrays used through a first index that ``key`` accepts (``a[index, ...]``,
+    ``wp.atomic_add(a, index, ...)``; ``key(index)`` not None) or measured (``a.shape``), and the keys by array."""
+    uses: set[int] = set()
+    keys: dict[str, set] = {}
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and key(n.slice) is not None:
+            uses.add(id(n.value))
+            keys.setdefault(n.value.id, set()).add(key(n.slice))
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.attr in _METADATA_ATTRS:
+            uses.add(id(n.value))
+        elif isinstance(n, ast.Call) and len(n.args) >= 2 and isinstance(n.args[0], ast.Name):
+            if getattr(n.func, "attr", getattr(n.func, "id", None)) in _ATOMIC_CALLS and key(n.args[1]) is not None:
+                uses.add(id(n.args[0]))
+                keys.setdefault(n.args[0].id, set()).add(key(n.args[1]))
+    return uses, keys
+
+
+def _only_used_in(fn: ast.FunctionDef, name: str, nodes: set[int]) -> bool:
+    """Whether every mention of ``name`` in ``fn`` is one of ``nodes`` (by id)."""
+    return all(id(n) in nodes for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name)
+
+
 def _row_windows(tree: ast.AST, names: list[str], index_arrays: dict[str, ArgSpec]) -> dict[str, tuple[str, ...]]:
     """See ``KernelSignature.thread_row_windows``."""
     fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
@@ -540,22 +563,8 @@ def _row_windows(tree: ast.AST, names: list[str], index_arrays: dict[str, ArgSpe
         lead = _first_index(index)
         return index_of.get(lead.id) if isinstance(lead, ast.Name) else None
 
-    sources: dict[str, set[str]] = {}
-    allowed: set[int] = set()
-    for n in ast.walk(fn):
-        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and index_source(n.slice):
-            allowed.add(id(n.value))
-            sources.setdefault(n.value.id, set()).add(index_source(n.slice))
-        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.attr in _METADATA_ATTRS:
-            allowed.add(id(n.value))
-        elif isinstance(n, ast.Call) and len(n.args) >= 2 and isinstance(n.args[0], ast.Name):
-            if getattr(n.func, "attr", getattr(n.func, "id", None)) in _ATOMIC_CALLS and index_source(n.args[1]):
-                allowed.add(id(n.args[0]))
-                sources.setdefault(n.args[0].id, set()).add(index_source(n.args[1]))
-    return {
-        name: tuple(sorted(sources[name])) for name in names
-        if name in sources and all(id(n) in allowed for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name)
-    }
+    allowed, sources = _indexed_uses(fn, index_source)
+    return {name: tuple(sorted(sources[name])) for name in names if name in sources and _only_used_in(fn, name, allowed)}
 
 
 def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], frozenset[str]]:
@@ -563,31 +572,15 @@ def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], froz
     fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
     first = _first_coordinate(fn, _bindings(fn))
 
-    def own(index: ast.AST) -> bool:
-        lead = index.elts[0] if isinstance(index, ast.Tuple) and index.elts else index
-        return first is not None and isinstance(lead, ast.Name) and lead.id == first
+    def own(index: ast.AST) -> bool | None:
+        lead = _first_index(index)
+        return True if first is not None and isinstance(lead, ast.Name) and lead.id == first else None
 
-    allowed: set[int] = set()  # ids of Name nodes used in a private way
-    assigned: set[str] = set()
-    for n in ast.walk(fn):
-        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and own(n.slice):
-            allowed.add(id(n.value))
-        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.attr in _METADATA_ATTRS:
-            allowed.add(id(n.value))
-        elif isinstance(n, ast.Call) and len(n.args) >= 2 and isinstance(n.args[0], ast.Name):
-            if getattr(n.func, "attr", getattr(n.func, "id", None)) in _ATOMIC_CALLS and own(n.args[1]):
-                allowed.add(id(n.args[0]))
-        if isinstance(n, ast.Assign):
-            for t in n.targets:
-                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
-                    if isinstance(e, ast.Subscript) and isinstance(e.value, ast.Name):
-                        assigned.add(e.value.id)
-        elif isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Name):
-            if getattr(n.func, "attr", getattr(n.func, "id", None)) in ("atomic_min", "atomic_max", "atomic_exch", "atomic_cas"):
-                assigned.add(n.args[0].id)  # not a sum
+    allowed, _ = _indexed_uses(fn, own)  # Name nodes used in a private way
     # Only sums may go through partial buffers: an array used other than read, added into (`a[i] += v`,
-    # wp.atomic_add / atomic_sub) or measured may be stored into elsewhere, e.g. by a @wp.func it is passed to
-    # (Newton's integrate_generalized_joints writes joint_q_new inside jcalc_integrate).
+    # wp.atomic_add / atomic_sub) or measured is assigned: stored into (`a[i] = v`, atomic_min / max / exch /
+    # cas), or maybe stored into elsewhere, e.g. by a @wp.func it is passed to (Newton's integrate_generalized_joints
+    # writes joint_q_new inside jcalc_integrate).
     summed: set[int] = set()  # ids of Name nodes read, added into or measured
     for n in ast.walk(fn):
         if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Load):
@@ -599,13 +592,9 @@ def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], froz
         elif isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Name):
             if getattr(n.func, "attr", getattr(n.func, "id", None)) in ("atomic_add", "atomic_sub"):
                 summed.add(id(n.args[0]))
-    assigned |= {name for name in names
-                 if not all(id(n) in summed for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name)}
-    private = frozenset(
-        name for name in names
-        if all(id(n) in allowed for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name)
-    )
-    return private, frozenset(assigned & set(names))
+    assigned = frozenset(name for name in names if not _only_used_in(fn, name, summed))
+    private = frozenset(name for name in names if _only_used_in(fn, name, allowed))
+    return private, assigned
 
 
 # --------------------------------------------------------------------------------------------------
