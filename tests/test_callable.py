@@ -5,7 +5,6 @@ versions of the same math, and central finite differences in float64.
 """
 
 import functools
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ import warp as wp
 
 import warpnn
 from tests import kernels_for_tests as K
-from tests.helpers import assert_close
+from tests.helpers import ROOT, assert_close, subprocess_env
 
 f64 = wp.float64
 
@@ -436,10 +435,9 @@ _GRAPH_SCRIPT = textwrap.dedent(
     pytest.param("JAX", "alloc", marks=pytest.mark.xfail(reason="allocation inside a JAX-captured callable", strict=False)),
 ])
 def test_scan_forward_and_vjp_replay_from_cuda_graphs(mode, variant):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env = subprocess_env()
     out = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, mode, variant], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=600)
+                         cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     words = out.stdout.split("ENTRIES")[-1].split()
     entries, uncaptured, err = int(words[0]), int(words[2]), float(words[4])
@@ -502,9 +500,8 @@ _DEVICES_SCRIPT = textwrap.dedent(
 
 
 def test_pmap_and_shard_map_gradients_match_pure_jax():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", _DEVICES_SCRIPT], capture_output=True, text=True, env=env, cwd=root,
+    env = subprocess_env()
+    out = subprocess.run([sys.executable, "-c", _DEVICES_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     errors = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("pmap", "shard_map")))

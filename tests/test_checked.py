@@ -22,15 +22,8 @@ import warpnn
 from warpnn import _checked, _launch
 
 from . import checked_kernels as C
-from .helpers import assert_close
+from .helpers import ROOT, assert_close, subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-
-def _pythonpath() -> str:
-    # The project first, then whatever made Warp importable here (a --target install on PYTHONPATH, say).
-    return os.pathsep.join(filter(None, [ROOT, os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH")]))
 
 def _gather_ref(x, idx, w):
     return w * x[idx]
@@ -186,7 +179,7 @@ def test_out_of_range_accesses_raise_and_the_process_lives(launcher):
     os.makedirs(os.path.dirname(script), exist_ok=True)
     with open(script, "w") as fh:
         fh.write(textwrap.dedent(OUT_OF_RANGE))
-    env = {**os.environ, "WARPNN_LAUNCHER": launcher, "PYTHONPATH": _pythonpath()}
+    env = subprocess_env(WARPNN_LAUNCHER=launcher)
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     line = next(l for l in out.stdout.splitlines() if l.startswith("RESULTS "))
@@ -212,7 +205,7 @@ def test_env_var_turns_checked_mode_on():
         except warpnn.KernelIndexError as e:
             print("raised", e)
     ''')
-    env = {**os.environ, "WARPNN_CHECK": "1", "PYTHONPATH": _pythonpath()}
+    env = subprocess_env(WARPNN_CHECK="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "raised warpnn checked mode: kernel 'shifted_scale' indexed array 'x'" in out.stdout

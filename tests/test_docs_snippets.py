@@ -14,7 +14,6 @@ file), runs that file. A failure names the file and line of the block (traceback
 file).
 """
 
-import os
 import re
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from .helpers import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -80,7 +81,7 @@ def _run(page: str, session: list[dict], cwd: Path) -> subprocess.CompletedProce
         # Blank lines before the code make the Markdown line numbers the traceback's line numbers.
         script.append(f"exec(compile({chr(10) * (b['first_line'] - 1) + b['code']!r}, {b['source']!r}, 'exec'), "
                       "namespace)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-c", "\n".join(script)], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 

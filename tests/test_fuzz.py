@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from . import fuzz_cases
+from .helpers import ROOT, subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKED_CASES = int(os.environ.get("WARPNN_FUZZ_CASES", "120"))  # more: WARPNN_FUZZ_CASES=1000
 DEFAULT_CASES = CHECKED_CASES // 2
 BATCH = 80
@@ -89,7 +89,7 @@ def _run_all(cases: list[dict]) -> list[dict]:
     """Run ``cases`` in subprocesses of up to BATCH cases; a case that kills its process is a "crash"."""
     results: list[dict | None] = [None] * len(cases)
     start = 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "src")])}
+    env = subprocess_env()
     with tempfile.TemporaryDirectory() as tmp:
         while start < len(cases):
             batch = cases[start : start + BATCH]

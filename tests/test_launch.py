@@ -8,7 +8,6 @@ running handler: SIGSEGV). These checks run in a subprocess, which must exit cle
 whatever backend JAX picks (CPU here, CUDA on a GPU machine).
 """
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -24,9 +23,8 @@ from warpnn import _launch
 
 from . import checked_kernels as C
 from . import kernels_for_tests as K
-from .helpers import assert_close
+from .helpers import ROOT, assert_close, subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 KERNELS = '''
 import warp as wp
@@ -102,8 +100,7 @@ def test_calls_survive_module_rebuilds_on_other_threads(tmp_path, launcher):
     (tmp_path / "stress_kernels.py").write_text(KERNELS)
     script = tmp_path / "stress.py"
     script.write_text(textwrap.dedent(STRESS))
-    env = {**os.environ, "WARPNN_LAUNCHER": launcher}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
+    env = subprocess_env(str(tmp_path), WARPNN_LAUNCHER=launcher)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if launcher == "native" and "native launcher is unavailable" in out.stderr:
         pytest.skip("native launcher unavailable")

@@ -119,9 +119,11 @@ def test_gradients_equal_tape_and_finite_differences(semi_implicit):
 
     s0, p0 = step.initial_state(), step.initial_params()
     grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    value, (g_state, g_forces, g_params) = grad_fn(s0, jnp.asarray(forces), p0)
+    value, (g_state, g_forces, g_params) = jax.block_until_ready(grad_fn(s0, jnp.asarray(forces), p0))
 
-    # Newton's own differentiable path: wp.Tape over the same rollout
+    # Newton's own differentiable path: wp.Tape over the same rollout. Warp's tape is one per process, and JAX
+    # runs the call above asynchronously: it must have finished before the tape starts recording (on the H200,
+    # under pytest-xdist, the tape once lost a scope: "ended tape scope, but scope not present").
     m2, s2, c2 = cloth_scene(requires_grad=True)
     states = [m2.state(requires_grad=True) for _ in range(T + 1)]
     for t in range(T):

@@ -6,7 +6,6 @@ Python handlers were never entered), and compares both results with each other a
 """
 
 import ctypes
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ import warpnn
 from warpnn import _launch, _native_launch
 
 from . import kernels_for_tests as K
-from .helpers import assert_close
+from .helpers import ROOT, assert_close, subprocess_env
 
 N = 16
 
@@ -321,12 +320,10 @@ def test_scan_rollout_gradient(springs_setup):
 def _run_script(tmp_path, source, env_updates, drop=()):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(source))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, **env_updates}
+    env = subprocess_env(**env_updates)
     for name in drop:
         env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "src"), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
 
 
 @needs_native

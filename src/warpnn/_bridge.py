@@ -769,8 +769,9 @@ def _differentiable_call_fwd(plan, *primals):
 
 
 # Pairs whose arrays are at least this big compute adjoints in place on a GPU even with XLA's default flags
-# (see _adjoint_in_place_pays): docs/benchmarks-speed-gpu.md.
-IN_PLACE_MIN_BYTES = 1 << 24
+# (see _adjoint_in_place_pays). Measured on an H200 (docs/benchmarks-speed-gpu.md, "Where in place starts to
+# pay"): in place lost at 1 MiB per array (25.5 against 20.1 µs per scan step) and won from 4 MiB (29.2 against 32.6).
+IN_PLACE_MIN_BYTES = 1 << 22
 
 
 def _adjoint_in_place_pays(sig: KernelSignature, shapes: dict[str, tuple[int, ...]], pairs) -> bool:
@@ -783,7 +784,8 @@ def _adjoint_in_place_pays(sig: KernelSignature, shapes: dict[str, tuple[int, ..
     enters the handler every step; measured on an H200, a 4096-element scan's fwd+bwd step went from 15.3 to
     20.0 µs. So on a GPU the buffers are shared only when XLA captures short sequences too
     (``enable_cuda_graph_capture``) or when the pairs' arrays are big enough that the saved memory traffic
-    outweighs a lost graph (at 16M elements: 291.5 against 336.3 µs); on the CPU, which has no graphs, always.
+    outweighs a lost graph (from 4 MiB per array: 29.2 against 32.6 µs at 1M elements, 291.5 against 336.3 at
+    16M); on the CPU, which has no graphs, always.
     """
     if jax.default_backend() == "cpu" or _cuda_graphs.min_graph_size() <= 4:
         return True
