@@ -121,5 +121,9 @@ def test_checkpoint_round_trip(key, tmp_path):
 
     like = ForceModel(edges, jnp.zeros_like(rest), jax.random.PRNGKey(1))  # different values, same structure
     restored = eqx.tree_deserialise_leaves(path, like)
-    np.testing.assert_array_equal(jax.vmap(restored)(xs), jax.vmap(model)(xs))
+    arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))  # noqa: E731
+    for saved, loaded in zip(arrays(model), arrays(restored), strict=True):
+        np.testing.assert_array_equal(loaded, saved)  # the checkpoint holds the values bit for bit
     np.testing.assert_array_equal(restored.springs.buffers["rest"], rest)
+    # The spring forces scatter with atomic adds, whose order (so the last bit) varies between GPU launches.
+    assert_close(jax.vmap(restored)(xs), jax.vmap(model)(xs), rtol=1e-6, atol=1e-6)

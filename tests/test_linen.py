@@ -134,5 +134,8 @@ def test_checkpoint_round_trip(tmp_path):
 
     like = ForceModel(edges, rest).init(jax.random.PRNGKey(1), xs[0])  # different values, same structure
     restored = serialization.from_bytes(like, path.read_bytes())
+    for saved, loaded in zip(jax.tree.leaves(variables), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(loaded, saved)  # the checkpoint holds the values bit for bit
     apply = jax.vmap(lambda v, x: model.apply(v, x), (None, 0))
-    np.testing.assert_array_equal(apply(restored, xs), apply(variables, xs))
+    # The spring forces scatter with atomic adds, whose order (so the last bit) varies between GPU launches.
+    assert_close(apply(restored, xs), apply(variables, xs), rtol=1e-6, atol=1e-6)

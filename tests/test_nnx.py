@@ -114,5 +114,8 @@ def test_checkpoint_round_trip(tmp_path):
     state = nnx.state(restored)
     nnx.replace_by_pure_dict(state, serialization.msgpack_restore(path.read_bytes()))
     nnx.update(restored, state)
-    np.testing.assert_array_equal(jax.vmap(restored)(xs), jax.vmap(model)(xs))
+    for saved, loaded in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(restored)), strict=True):
+        np.testing.assert_array_equal(loaded, saved)  # the checkpoint holds the values bit for bit
     np.testing.assert_array_equal(restored.springs.rest[...], rest)
+    # The spring forces scatter with atomic adds, whose order (so the last bit) varies between GPU launches.
+    assert_close(jax.vmap(restored)(xs), jax.vmap(model)(xs), rtol=1e-6, atol=1e-6)

@@ -45,7 +45,11 @@ def test_package_root_exports_every_public_re_export():
 def test_version_has_one_source():
     from importlib import metadata
 
-    assert metadata.version("warpnn") == warpnn.__version__
+    try:
+        installed = metadata.version("warpnn")
+    except metadata.PackageNotFoundError:  # imported from a source tree on PYTHONPATH (the GPU machine's setup)
+        pytest.skip("warpnn is not installed here, so it has no package metadata to compare")
+    assert installed == warpnn.__version__
 
 
 @pytest.mark.parametrize("statement", ["import warpnn", "import warpnn.equinox, warpnn.nnx, warpnn.linen, warpnn.kernels",
