@@ -59,3 +59,17 @@ def test_import_is_clean_under_warnings_as_errors(statement):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "", proc.stderr[-3000:]
+
+
+def test_the_changelog_s_newest_release_is_this_version():
+    """A release moves [Unreleased] under a dated heading of the version in warpnn/__init__.py (docs/releasing.md)."""
+    import datetime
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## \[([^\]]+)\](?: - (\d{4}-\d{2}-\d{2}))?$", text, flags=re.M)
+    assert headings[0] == ("Unreleased", ""), "the changelog starts with an [Unreleased] section"
+    version, date = headings[1]
+    assert version == warpnn.__version__, f"CHANGELOG.md's newest release is {version}, warpnn.__version__ is {warpnn.__version__}"
+    datetime.date.fromisoformat(date)

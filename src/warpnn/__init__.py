@@ -26,7 +26,7 @@ from ._tracer import trace as trace
 # Layers for each framework are submodules, imported on demand so that warpnn needs neither Flax nor
 # Equinox to import: warpnn.equinox.WarpLayer, warpnn.nnx.WarpLayer, warpnn.linen.WarpLayer.
 
-__version__ = "0.1.0"  # the one place the version is written: pyproject.toml reads it from here
+__version__ = "0.2.0"  # the one place the version is written: pyproject.toml reads it from here
 
 # Every public name, for `from warpnn import *`, help(warpnn) and the API reference (docs/api/warpnn.md
 # renders exactly these). Add a name here when you re-export it above.
