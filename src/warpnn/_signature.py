@@ -359,10 +359,19 @@ class KernelSignature:
         other results of the slice are accumulated into per-thread partial buffers and summed, which is right
         only for arrays the kernel (or its adjoint) only accumulates into. Found conservatively in the source.
         """
+        names = [a.name for a in (*self.inputs, *self.outputs) if a.is_array]
         try:
-            return _slice_access(self.kernel.adj.tree, [a.name for a in (*self.inputs, *self.outputs) if a.is_array])
+            ndims = {a.name: a.warp_ndim for a in (*self.inputs, *self.outputs) if a.is_array}
+            private, assigned = _slice_access(self.kernel.adj.tree, names, ndims)
         except Exception:  # noqa: BLE001 - no source tree: nothing is private, everything may be assigned
-            return frozenset(), frozenset(a.name for a in (*self.inputs, *self.outputs) if a.is_array)
+            return frozenset(), frozenset(names)
+        # The slice analysis reads the kernel's own body; the uses analysis (zeroing, in-out arrays) also follows
+        # calls into @wp.funcs. An array either finds stored, or cannot decide about, is assigned (never summed),
+        # and one the uses analysis cannot decide about is not private, so the two never disagree in the unsafe
+        # direction (tests/test_batched.py checks that the slice analysis alone already agrees on every kernel of
+        # the suite, warpnn's and Newton's).
+        unsure = {n for n in names if n in self.uses and (self.uses[n].stores or self.uses[n].undecided is not None)}
+        return private - {n for n in names if n in self.uses and self.uses[n].undecided is not None}, assigned | unsure
 
     @functools.cached_property
     def thread_row_windows(self) -> dict[str, tuple[str, ...]]:
@@ -567,8 +576,15 @@ def _row_windows(tree: ast.AST, names: list[str], index_arrays: dict[str, ArgSpe
     return {name: tuple(sorted(sources[name])) for name in names if name in sources and _only_used_in(fn, name, allowed)}
 
 
-def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], frozenset[str]]:
-    """See ``KernelSignature.thread_private_arrays``."""
+def _slice_access(tree: ast.AST, names: list[str], ndims: dict[str, int] | None = None) -> tuple[frozenset[str], frozenset[str]]:
+    """See ``KernelSignature.thread_private_arrays``. ``ndims``: the arrays' Warp ranks, where known: a subscript with
+    fewer indices is a view (``row = x[k]``), which the kernel may store through (``row[0] = v``)."""
+    ndims = ndims or {}
+
+    def whole_element(n: ast.Subscript) -> bool:
+        count = len(n.slice.elts) if isinstance(n.slice, ast.Tuple) else 1
+        return count >= ndims.get(n.value.id, 0)
+
     fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
     first = _first_coordinate(fn, _bindings(fn))
 
@@ -580,10 +596,10 @@ def _slice_access(tree: ast.AST, names: list[str]) -> tuple[frozenset[str], froz
     # Only sums may go through partial buffers: an array used other than read, added into (`a[i] += v`,
     # wp.atomic_add / atomic_sub) or measured is assigned: stored into (`a[i] = v`, atomic_min / max / exch /
     # cas), or maybe stored into elsewhere, e.g. by a @wp.func it is passed to (Newton's integrate_generalized_joints
-    # writes joint_q_new inside jcalc_integrate).
+    # writes joint_q_new inside jcalc_integrate), or through a view of it (`row = a[k]; row[0] = v`).
     summed: set[int] = set()  # ids of Name nodes read, added into or measured
     for n in ast.walk(fn):
-        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Load):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Load) and whole_element(n):
             summed.add(id(n.value))
         elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Subscript) and isinstance(n.target.value, ast.Name):
             summed.add(id(n.target.value))
