@@ -366,12 +366,13 @@ class KernelSignature:
         except Exception:  # noqa: BLE001 - no source tree: nothing is private, everything may be assigned
             return frozenset(), frozenset(names)
         # The slice analysis reads the kernel's own body; the uses analysis (zeroing, in-out arrays) also follows
-        # calls into @wp.funcs. An array either finds stored, or cannot decide about, is assigned (never summed),
-        # and one the uses analysis cannot decide about is not private, so the two never disagree in the unsafe
-        # direction (tests/test_batched.py checks that the slice analysis alone already agrees on every kernel of
-        # the suite, warpnn's and Newton's).
-        unsure = {n for n in names if n in self.uses and (self.uses[n].stores or self.uses[n].undecided is not None)}
-        return private - {n for n in names if n in self.uses and self.uses[n].undecided is not None}, assigned | unsure
+        # calls into @wp.funcs. An array that either finds stored, or that the uses analysis cannot decide about,
+        # is assigned (never summed), and an undecided one is not private: the two never disagree in the unsafe
+        # direction (tests/test_batched.py checks that the slice analysis alone already agrees with the uses
+        # analysis on every kernel of the suite, warpnn's and Newton's).
+        undecided = {n for n in names if n in self.uses and self.uses[n].undecided is not None}
+        stored = {n for n in names if n in self.uses and self.uses[n].stores}
+        return private - undecided, assigned | stored | undecided
 
     @functools.cached_property
     def thread_row_windows(self) -> dict[str, tuple[str, ...]]:
