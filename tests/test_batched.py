@@ -13,7 +13,7 @@ import warpnn
 from warpnn import _batched
 from warpnn._launch import LAUNCHER
 
-from .helpers import assert_close
+from .helpers import ROOT, assert_close, subprocess_env
 from .kernels_for_tests import (
     affine_2d,
     affine_2d_ref,
@@ -646,3 +646,41 @@ def test_the_thread_split_analysis_never_sums_an_array_the_uses_analysis_finds_s
     assert not disagreements, disagreements
     assert checked == len(kernels)
     assert stored_somewhere > 20  # the check had stores to look at
+
+
+_POOL_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np, warp as wp
+import warpnn
+from warpnn._launch import LAUNCHER
+from tests.kernels_for_tests import heat_step, heat_step_ref
+wp.config.quiet = True
+if LAUNCHER.name != "native":
+    print("SKIP native launcher unavailable"); sys.exit(0)
+heat = warpnn.jax_kernel(heat_step)
+u, alpha = jax.random.normal(jax.random.PRNGKey(0), (96, 64)), jnp.array([0.3])
+step = jax.jit(lambda u: jax.lax.scan(lambda c, _: (heat(c, alpha, 0.2)[0], None), u, None, length=20)[0])
+ref = jax.jit(lambda u: jax.lax.scan(lambda c, _: (heat_step_ref(c, alpha, 0.2), None), u, None, length=20)[0])
+before = LAUNCHER.impl.twins.threaded_launches()
+got = np.asarray(step(u))
+print("THREADED", LAUNCHER.impl.twins.threaded_launches() - before, "ERR", float(np.abs(got - np.asarray(ref(u))).max()))
+"""
+
+
+@pytest.mark.parametrize("spin_us", ["0", "100", "100000"])
+def test_the_cpu_pool_hands_over_launches_with_and_without_polling(spin_us):
+    """$WARPNN_CPU_SPIN_US: how long idle workers (and the caller) poll before sleeping. Every setting, from sleeping
+    at once to polling for 0.1 s, runs a scan's back-to-back split launches to the same result (subprocess: the
+    setting is read once per process)."""
+    import subprocess
+    import sys
+
+    env = subprocess_env(WARPNN_CPU_SPIN_US=spin_us, WARPNN_CPU_THREADS="3", WARPNN_CPU_MIN_WORK="1", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _POOL_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(out.stdout)
+    words = out.stdout.split("THREADED")[-1].split()
+    assert int(words[0]) == 20, out.stdout  # every launch of the scan split across the pool
+    assert float(words[2]) < 1e-5, out.stdout

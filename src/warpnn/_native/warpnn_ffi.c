@@ -29,13 +29,17 @@
  * XLA_FFI_Error_Create with a message naming the kernel; nothing here aborts the process.
  */
 
+#define _POSIX_C_SOURCE 200809L /* clock_gettime(CLOCK_MONOTONIC) under -std=c11 */
+
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "xla/ffi/api/c_api.h"
 
@@ -631,29 +635,70 @@ static int g_pool_started;        /* worker threads created (guarded by g_pool_m
 static _Atomic int g_cpu_threads = 1; /* the pool size Python asked for, caller included */
 static _Atomic int64_t g_min_per_worker = 16384; /* launch threads per worker below which a launch is not split */
 static _Atomic int64_t g_partial_budget = 64; /* partial-buffer bytes per launch thread a split may zero and sum */
-static uint64_t g_pool_generation; /* guarded by g_pool_mu */
-static int g_pool_pending;
+static _Atomic uint64_t g_pool_generation; /* written under g_pool_mu; read without it while spinning */
+static _Atomic int g_pool_pending;          /* workers still running the current job */
 static pool_fn g_job_fn;
 static void* g_job_ctx;
 static int g_job_workers;
 static _Atomic int64_t g_threaded_launches;
 static _Atomic int64_t g_partial_rows; /* rows of partial buffers zeroed (and summed) by threaded launches */
 
+/* How long a worker (and the caller, for the others to finish) polls before it sleeps on a condition variable:
+ * waking a sleeping thread costs tens of microseconds on a VM (an inter-processor interrupt to a halted vCPU),
+ * as much as a whole small launch, and the launches of a lax.scan come back to back. $WARPNN_CPU_SPIN_US, read
+ * once; 0 sleeps at once. */
+static int64_t g_spin_ns = -1;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Polls until *generation differs from `from` or, given pending instead, *pending is 0, for at most the spin time;
+ * returns whether it came. */
+static int spin_until(_Atomic uint64_t* generation, uint64_t from, _Atomic int* pending) {
+    if (g_spin_ns <= 0) return 0;
+    int64_t end = now_ns() + g_spin_ns;
+    for (int k = 0;; ++k) {
+        if (generation ? atomic_load_explicit(generation, memory_order_acquire) != from
+                       : atomic_load_explicit(pending, memory_order_acquire) == 0)
+            return 1;
+        cpu_relax();
+        if ((k & 63) == 63) {
+            if (now_ns() > end) return 0;
+            sched_yield(); /* with more threads than cores (other processes, WARPNN_CPU_THREADS > CPUs) let them run */
+        }
+    }
+}
+
 static void* pool_main(void* arg) {
     int index = (int)(intptr_t)arg;
     uint64_t seen = 0;
-    pthread_mutex_lock(&g_pool_mu);
     for (;;) {
-        while (g_pool_generation == seen) pthread_cond_wait(&g_pool_start, &g_pool_mu);
-        seen = g_pool_generation;
-        if (index >= g_job_workers) continue;
+        spin_until(&g_pool_generation, seen, NULL);
+        pthread_mutex_lock(&g_pool_mu);
+        while (atomic_load(&g_pool_generation) == seen) pthread_cond_wait(&g_pool_start, &g_pool_mu);
+        seen = atomic_load(&g_pool_generation);
         pool_fn fn = g_job_fn;
         void* ctx = g_job_ctx;
         int n = g_job_workers;
         pthread_mutex_unlock(&g_pool_mu);
+        if (index >= n) continue;
         fn(ctx, index, n);
-        pthread_mutex_lock(&g_pool_mu);
-        if (--g_pool_pending == 0) pthread_cond_signal(&g_pool_done);
+        if (atomic_fetch_sub_explicit(&g_pool_pending, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&g_pool_mu); /* the caller may be asleep: it checks pending under this lock */
+            pthread_cond_signal(&g_pool_done);
+            pthread_mutex_unlock(&g_pool_mu);
+        }
     }
     return NULL;
 }
@@ -662,6 +707,10 @@ static void* pool_main(void* arg) {
 static int pool_run(pool_fn fn, void* ctx, int n) {
     if (n > 1) {
         pthread_mutex_lock(&g_pool_mu);
+        if (g_spin_ns < 0) {
+            const char* us = getenv("WARPNN_CPU_SPIN_US");
+            g_spin_ns = (us && *us ? strtoll(us, NULL, 10) : 100) * 1000;
+        }
         while (g_pool_started < n - 1 && g_pool_started < kMaxWorkers - 1) {
             pthread_t t;
             pthread_attr_t attr;
@@ -677,16 +726,16 @@ static int pool_run(pool_fn fn, void* ctx, int n) {
             g_job_fn = fn;
             g_job_ctx = ctx;
             g_job_workers = n;
-            g_pool_pending = n - 1;
-            ++g_pool_generation;
+            atomic_store(&g_pool_pending, n - 1);
+            atomic_fetch_add(&g_pool_generation, 1);
             pthread_cond_broadcast(&g_pool_start);
         }
         pthread_mutex_unlock(&g_pool_mu);
     }
     fn(ctx, 0, n);
-    if (n > 1) {
+    if (n > 1 && !spin_until(NULL, 0, &g_pool_pending)) {
         pthread_mutex_lock(&g_pool_mu);
-        while (g_pool_pending > 0) pthread_cond_wait(&g_pool_done, &g_pool_mu);
+        while (atomic_load(&g_pool_pending) > 0) pthread_cond_wait(&g_pool_done, &g_pool_mu);
         pthread_mutex_unlock(&g_pool_mu);
     }
     return n;
