@@ -13,7 +13,10 @@ default ``-O2``, at ``-O3`` and at ``-O3 -march=native``, in alternating rounds:
 elementwise one (race-free: slices write their own rows) and a spring-forces scatter (slices accumulate
 into per-thread partial buffers, summed after the launch).
 
-    python -m benchmarks.heat [--sizes 64,256] [--steps 50] [--threads-table [--thread-counts 1,4,16]] [--opt-levels] [--json]
+``--scan-launches`` times a 50-step scan of the elementwise kernel (16k, 64k, 256k elements) on 1 thread and on all:
+back-to-back launches, whose hand-over to the pool's workers ``WARPNN_CPU_SPIN_US`` governs.
+
+    python -m benchmarks.heat [--sizes 64,256] [--steps 50] [--threads-table [--thread-counts 1,4,16]] [--scan-launches] [--opt-levels] [--json]
 
 ``WARPNN_CPU_ROW_WINDOWS=0`` in the environment runs the scatters with whole partial buffers (no row windows).
 """
@@ -148,6 +151,28 @@ def bench_threads(n_elementwise: int, cloth_n: int, heat_n: int, counts=None) ->
     return rows
 
 
+def bench_scan_launches(sizes=(16384, 65536, 262144), steps: int = 50) -> list[dict]:
+    """µs per step of a ``steps``-step ``lax.scan`` of the elementwise kernel, 1 thread against all: back-to-back
+    launches, where handing each one over to the pool's workers costs what waking them costs
+    (``WARPNN_CPU_SPIN_US``: how long they poll before they sleep)."""
+    full = all_threads()
+    a = jnp.array([0.3])
+    rows = []
+    for n in sizes:
+        x = jax.random.normal(jax.random.PRNGKey(0), (n,))
+
+        def scan(x, a):
+            return jax.lax.scan(lambda c, _: (_SAXPY(c, a)[0], None), x, None, length=steps)[0]
+
+        cases = {t: (_Threads(scan, (x, a), t), (x, a)) for t in sorted({1, full})}
+        times = time_interleaved(cases, rounds=8, per_round=3)
+        _Threads._set(full)
+        rows.append({"kernel": f"elementwise scan, {n} elements, µs per step",
+                     **{f"{t} threads": times[t] / steps for t in sorted({1, full})}})
+        print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
 def bench_opt_levels(sizes) -> list[dict]:
     import inspect
     import textwrap
@@ -222,6 +247,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads-table", action="store_true")
     parser.add_argument("--thread-counts", default=None, help="for --threads-table, e.g. 1,4,8,16 (default 1, 2, all)")
     parser.add_argument("--opt-levels", action="store_true")
+    parser.add_argument("--scan-launches", action="store_true",
+                        help="a 50-step scan of the elementwise kernel at 16k, 64k, 256k elements, 1 thread vs all")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]  # --sizes "": the other tables only
@@ -229,8 +256,10 @@ def main(argv=None) -> None:
     heat = bench_heat(sizes, args.steps)
     counts = [int(c) for c in args.thread_counts.split(",")] if args.thread_counts else None
     threads = bench_threads(1 << 22, 200, 1024, counts) if args.threads_table else None
+    launches = bench_scan_launches(steps=args.steps) if args.scan_launches else None
     if args.json:
-        print(json.dumps({"environment": environment(), "heat": heat, "threads": threads, "opt_levels": opt}))
+        print(json.dumps({"environment": environment(), "heat": heat, "threads": threads, "opt_levels": opt,
+                          "scan_launches": launches}))
         return
     print(f"Environment: {environment()}\n")
     if heat:
@@ -238,6 +267,9 @@ def main(argv=None) -> None:
     if threads:
         print()
         print(threads_table(threads))
+    if launches:
+        print()
+        print(threads_table(launches))
     if opt:
         print()
         print(opt_table(opt))
