@@ -72,17 +72,21 @@ def copy_1d(x: wp.array(dtype=float), y: wp.array(dtype=float)):
     y[i] = x[i]
 
 
-def ns_per_element(kernel, dims, inputs, elements: int) -> float:
-    cmd = wp.launch(kernel, dims, inputs=inputs, device="cpu", record_cmd=True)
-    cmd.launch()
-    reps = max(3, (1 << 22) // elements)
+def _best_ns_per_element(launch, elements: int, reps: int) -> float:
+    """Best of 7 rounds of ``reps`` calls of ``launch`` (after one to warm up), in ns per element."""
+    launch()
     best = float("inf")
     for _ in range(7):
         t0 = time.perf_counter()
         for _ in range(reps):
-            cmd.launch()
+            launch()
         best = min(best, (time.perf_counter() - t0) / reps / elements)
     return best * 1e9
+
+
+def ns_per_element(kernel, dims, inputs, elements: int) -> float:
+    cmd = wp.launch(kernel, dims, inputs=inputs, device="cpu", record_cmd=True)
+    return _best_ns_per_element(cmd.launch, elements, max(3, (1 << 22) // elements))
 
 
 def adjoint_ns_per_element(kernel, dims, inputs, adj_inputs, elements: int) -> float:
@@ -91,15 +95,7 @@ def adjoint_ns_per_element(kernel, dims, inputs, adj_inputs, elements: int) -> f
     def launch():
         wp.launch(kernel, dims, inputs=inputs, adj_inputs=adj_inputs, adjoint=True, device="cpu")
 
-    launch()
-    reps = max(3, (1 << 20) // elements)
-    best = float("inf")
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            launch()
-        best = min(best, (time.perf_counter() - t0) / reps / elements)
-    return best * 1e9
+    return _best_ns_per_element(launch, elements, max(3, (1 << 20) // elements))
 
 
 def adjoint_columns(n: int, host, u, alpha, outs) -> dict:

@@ -631,7 +631,7 @@ def test_the_thread_split_analysis_never_sums_an_array_the_uses_analysis_finds_s
         newton_modules = []
     kernels = _kernels_of(modules + newton_modules)
     assert len(kernels) >= (120 if newton_modules else 60), len(kernels)
-    checked, stored_somewhere, disagreements = 0, 0, []
+    stored_somewhere, disagreements = 0, []
     for key, kernel in kernels.items():
         uses = kernel_array_uses(kernel)  # every array parameter, whatever the inputs / outputs split
         names = list(uses)
@@ -642,9 +642,7 @@ def test_the_thread_split_analysis_never_sums_an_array_the_uses_analysis_finds_s
         undecided_private = {n for n in private if uses[n].undecided is not None}
         if stored - assigned or undecided_private:
             disagreements.append((key, sorted(stored - assigned), sorted(undecided_private)))
-        checked += 1
     assert not disagreements, disagreements
-    assert checked == len(kernels)
     assert stored_somewhere > 20  # the check had stores to look at
 
 

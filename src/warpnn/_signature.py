@@ -359,9 +359,9 @@ class KernelSignature:
         other results of the slice are accumulated into per-thread partial buffers and summed, which is right
         only for arrays the kernel (or its adjoint) only accumulates into. Found conservatively in the source.
         """
-        names = [a.name for a in (*self.inputs, *self.outputs) if a.is_array]
+        ndims = {a.name: a.warp_ndim for a in (*self.inputs, *self.outputs) if a.is_array}
+        names = list(ndims)
         try:
-            ndims = {a.name: a.warp_ndim for a in (*self.inputs, *self.outputs) if a.is_array}
             private, assigned = _slice_access(self.kernel.adj.tree, names, ndims)
         except Exception:  # noqa: BLE001 - no source tree: nothing is private, everything may be assigned
             return frozenset(), frozenset(names)
