@@ -636,7 +636,14 @@ static _Atomic int g_cpu_threads = 1; /* the pool size Python asked for, caller 
 static _Atomic int64_t g_min_per_worker = 16384; /* launch threads per worker below which a launch is not split */
 static _Atomic int64_t g_partial_budget = 64; /* partial-buffer bytes per launch thread a split may zero and sum */
 static _Atomic uint64_t g_pool_generation; /* written under g_pool_mu; read without it while spinning */
-static _Atomic int g_pool_pending;          /* workers still running the current job */
+static _Atomic int g_pool_pending;          /* slices of the current job not finished yet */
+/* The next slice of the current job to claim, in the low 32 bits, under the job's generation in the high ones: any
+ * thread runs any slice (a slice's partial buffer and scratch belong to the slice, not the thread, so results do not
+ * depend on who ran what), and the caller runs those a worker has not claimed yet. A worker descheduled by another
+ * process (the norm with pytest -n on a 2-core machine) then delays nothing; with slices fixed per worker, a launch
+ * waited for every worker's time slice: 18x slower than one thread under a compiler on the other core. A worker
+ * late for its job claims nothing: its generation no longer matches. */
+static _Atomic uint64_t g_pool_claim;
 static pool_fn g_job_fn;
 static void* g_job_ctx;
 static int g_job_workers;
@@ -680,6 +687,24 @@ static int spin_until(_Atomic uint64_t* generation, uint64_t from, _Atomic int* 
     }
 }
 
+/* Claims and runs slices of job `generation` until none is left. */
+static void run_slices(uint64_t generation, pool_fn fn, void* ctx, int n) {
+    const uint64_t tag = (generation & 0xffffffffu) << 32;
+    for (;;) {
+        uint64_t claim = atomic_load_explicit(&g_pool_claim, memory_order_acquire);
+        do {
+            if ((claim & ~(uint64_t)0xffffffffu) != tag || (claim & 0xffffffffu) >= (uint64_t)n) return;
+        } while (!atomic_compare_exchange_weak_explicit(&g_pool_claim, &claim, claim + 1, memory_order_acq_rel,
+                                                        memory_order_acquire));
+        fn(ctx, (int)(claim & 0xffffffffu), n);
+        if (atomic_fetch_sub_explicit(&g_pool_pending, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&g_pool_mu); /* the caller may be asleep: it checks pending under this lock */
+            pthread_cond_signal(&g_pool_done);
+            pthread_mutex_unlock(&g_pool_mu);
+        }
+    }
+}
+
 static void* pool_main(void* arg) {
     int index = (int)(intptr_t)arg;
     uint64_t seen = 0;
@@ -693,17 +718,13 @@ static void* pool_main(void* arg) {
         int n = g_job_workers;
         pthread_mutex_unlock(&g_pool_mu);
         if (index >= n) continue;
-        fn(ctx, index, n);
-        if (atomic_fetch_sub_explicit(&g_pool_pending, 1, memory_order_acq_rel) == 1) {
-            pthread_mutex_lock(&g_pool_mu); /* the caller may be asleep: it checks pending under this lock */
-            pthread_cond_signal(&g_pool_done);
-            pthread_mutex_unlock(&g_pool_mu);
-        }
+        run_slices(seen, fn, ctx, n);
     }
     return NULL;
 }
 
-/* Runs fn(ctx, w, n) for w = 0..n-1, worker 0 on the calling thread; returns the number of workers used. */
+/* Runs fn(ctx, w, n) for the slices w = 0..n-1 on the calling thread and the pool's workers, whichever claims each
+ * first; returns the number of slices. */
 static int pool_run(pool_fn fn, void* ctx, int n) {
     if (n > 1) {
         pthread_mutex_lock(&g_pool_mu);
@@ -726,13 +747,18 @@ static int pool_run(pool_fn fn, void* ctx, int n) {
             g_job_fn = fn;
             g_job_ctx = ctx;
             g_job_workers = n;
-            atomic_store(&g_pool_pending, n - 1);
-            atomic_fetch_add(&g_pool_generation, 1);
+            uint64_t generation = atomic_load(&g_pool_generation) + 1;
+            atomic_store(&g_pool_pending, n);
+            atomic_store(&g_pool_claim, (generation & 0xffffffffu) << 32);
+            atomic_store(&g_pool_generation, generation);
             pthread_cond_broadcast(&g_pool_start);
+            pthread_mutex_unlock(&g_pool_mu);
+            run_slices(generation, fn, ctx, n);
+        } else {
+            pthread_mutex_unlock(&g_pool_mu);
         }
-        pthread_mutex_unlock(&g_pool_mu);
     }
-    fn(ctx, 0, n);
+    if (n <= 1) fn(ctx, 0, 1);
     if (n > 1 && !spin_until(NULL, 0, &g_pool_pending)) {
         pthread_mutex_lock(&g_pool_mu);
         while (atomic_load(&g_pool_pending) > 0) pthread_cond_wait(&g_pool_done, &g_pool_mu);
