@@ -550,6 +550,27 @@ def returns_in_a_loop(x: wp.array2d(dtype=float), y: wp.array2d(dtype=float)):
     y[i, j] = x[i, j]
 
 
+@wp.kernel
+def polynomial_2d(x: wp.array2d(dtype=float), p: wp.array(dtype=float), y: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    y[i, j] = p[0] * x[i, j] + p[1] * x[i, j] * x[i, j] + p[0]
+
+
+@wp.kernel
+def reads_a_parameter_after_a_guard(x: wp.array2d(dtype=float), p: wp.array(dtype=float), y: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    if x[i, j] < 0.0:
+        return
+    y[i, j] = p[0] * x[i, j]
+
+
+@wp.kernel
+def adds_into_its_parameter(x: wp.array2d(dtype=float), p: wp.array(dtype=float), y: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    y[i, j] = p[0] * x[i, j]
+    wp.atomic_add(p, 1, x[i, j])
+
+
 def _row_loop_cases():
     k1, k2 = jax.random.split(jax.random.PRNGKey(5))
     heat, masked, ramp = (warpnn.jax_kernel(heat_step), warpnn.jax_kernel(masked_square_sum, num_outputs=2),
@@ -558,7 +579,10 @@ def _row_loop_cases():
     x, w = jax.random.normal(k2, (13, 11)), jnp.linspace(-1.0, 2.0, 11)
     v = jax.random.normal(k1, (3, 5, 7))
     ramp_ref = lambda v: 2.0 * v * v + jnp.arange(7.0)  # noqa: E731
+    poly, p = warpnn.jax_kernel(polynomial_2d), jnp.array([0.4, -1.3])
+    poly_ref = lambda x, p: p[0] * x + p[1] * x * x + p[0]  # noqa: E731
     return {  # kernel, forward, its pure-JAX reference, arguments (every one differentiated)
+        "constant_index_reads_2d": (polynomial_2d, lambda x, p: poly(x, p)[0], poly_ref, (x, p)),
         "heat_2d": (heat_step, lambda u, a: heat(u, a, 0.2)[0], lambda u, a: heat_step_ref(u, a, 0.2), (u, alpha)),
         "early_return_and_atomics_2d": (
             masked_square_sum, lambda x, w: tuple(masked(x, w, output_dims={"y": x.shape, "s": 1})), masked_square_sum_ref, (x, w)),
@@ -592,6 +616,21 @@ def test_row_loop_twin_matches_the_kernel_and_pure_jax(cpu_threads, monkeypatch,
     jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-5, atol=1e-5), fwd_loop, reference(*args))
     grad_ref = jax.grad(loss(reference), argnums=argnums)(*args)
     jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-4, atol=1e-4), grad_loop, grad_ref)
+
+
+def test_the_row_loop_reads_a_read_only_array_at_a_constant_index_once_per_row():
+    """``alpha[0]`` read by every element is read once before the row loop (its adjoint then sums in a register), but
+    only where every iteration reads it and nothing writes the array."""
+
+    def hoisted(kernel):
+        source = _batched.twin_of(kernel, False).kernel.adj.source
+        return [line.strip() for line in source.splitlines() if line.strip().startswith(f"{_batched.BATCH_PREFIX}h")]
+
+    assert hoisted(heat_step) == ["warpnn_h0 = alpha[0]"]
+    assert hoisted(polynomial_2d) == ["warpnn_h0 = p[0]", "warpnn_h1 = p[1]"]
+    assert hoisted(reads_a_parameter_after_a_guard) == []  # an element that returns early never reads it
+    assert hoisted(adds_into_its_parameter) == []  # written by the kernel: its value may change during the launch
+    assert hoisted(masked_square_sum) == []
 
 
 def test_row_loop_needs_every_return_outside_loops():

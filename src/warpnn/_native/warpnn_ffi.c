@@ -634,6 +634,16 @@ static pthread_cond_t g_pool_done = PTHREAD_COND_INITIALIZER;
 static int g_pool_started;        /* worker threads created (guarded by g_pool_mu) */
 static _Atomic int g_cpu_threads = 1; /* the pool size Python asked for, caller included */
 static _Atomic int64_t g_min_per_worker = 16384; /* launch threads per worker below which a launch is not split */
+/* An adjoint thread replays the forward and then scatters into the input adjoints: about 3.5x a forward thread's work
+ * (the heat stencil: 10.5 against 3.0 ns per element, benchmarks.cpu_codegen --adjoint), so an adjoint launch splits
+ * at a quarter of the forward's elements per worker. On 16 cores that took a 50-step scan of the 256^2 stencil's
+ * adjoint from 17.6 to 13.3 ms (docs/benchmarks-speed-cpu.md). */
+enum { kAdjointWorkFactor = 4 };
+
+static int64_t min_work_per_worker(int mode) {
+    int64_t min_work = atomic_load(&g_min_per_worker) / (mode ? kAdjointWorkFactor : 1);
+    return min_work > 0 ? min_work : 1;
+}
 static _Atomic int64_t g_partial_budget = 64; /* partial-buffer bytes per launch thread a split may zero and sum */
 static _Atomic uint64_t g_pool_generation; /* written under g_pool_mu; read without it while spinning */
 static _Atomic int g_pool_pending;          /* slices of the current job not finished yet */
@@ -1192,8 +1202,7 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
     c.arrays = arrays;
     c.num_arrays = num_arrays;
     int threads = atomic_load(&g_cpu_threads);
-    int64_t min_work = atomic_load(&g_min_per_worker);
-    int64_t by_work = (int64_t)(total * inner / (uint64_t)(min_work > 0 ? min_work : 1)); /* elements, not rows */
+    int64_t by_work = (int64_t)(total * inner / (uint64_t)min_work_per_worker(mode)); /* elements, not rows */
     int workers = threads < by_work ? threads : (int)(by_work < 1 ? 1 : by_work);
     const PartialKinds* pk = (const PartialKinds*)atomic_load_explicit(&((KernelDesc*)d)->partials, memory_order_acquire);
     size_t partial_stride = 0, partial_cost = 0;
@@ -1676,8 +1685,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     if (!cuda) pthread_mutex_lock(&g_cpu_launch_lock);
     if (!cuda && !cpu_blocks && num_batch > 1 && !atomic_load(&d->cpu_serial)) { /* the batch's elements on the CPU threads */
         int threads = atomic_load(&g_cpu_threads);
-        int64_t min_work = atomic_load(&g_min_per_worker);
-        uint64_t by_work = total * (uint64_t)num_batch / (uint64_t)(min_work > 0 ? min_work : 1);
+        uint64_t by_work = total * (uint64_t)num_batch / (uint64_t)min_work_per_worker(mode);
         int workers = threads;
         if ((uint64_t)workers > by_work) workers = (int)(by_work < 1 ? 1 : by_work);
         if (workers > num_batch) workers = (int)num_batch;
