@@ -2,7 +2,8 @@
 and the CPU-threads scaling of warpnn's CPU launches.
 
 ``out[i, j] = u[i, j] + alpha[0] * c * laplacian(u)[i, j]`` with neighbours wrapped by branches (no modulo).
-fwd: the scan; fwd+bwd: the gradient of a weighted sum of the final field w.r.t. ``alpha``. Implementations in
+fwd: the scan; fwd+bwd: the gradient of a weighted sum of the final field w.r.t. ``alpha``; bwd: a scan of the
+step's VJP alone (the adjoint launches of fwd+bwd without its forward and residuals). Implementations in
 alternating rounds of one process: warpnn with every CPU thread (``WARPNN_CPU_THREADS``, default the CPUs this
 process may use), warpnn on one thread (the kernel's own module, as before threading), pure JAX.
 
@@ -76,6 +77,21 @@ def scan_fns(step, steps: int, weights):
     return fwd, jax.grad(loss)
 
 
+def backward_scan(step, steps: int):
+    """``steps`` applications of ``step``'s VJP at one point, the cotangents carried: the backward pass alone."""
+
+    def bwd(u, alpha, cotangent):
+        _, vjp = jax.vjp(step, u, alpha)
+
+        def body(carry, _):
+            grad_u, grad_alpha = vjp(carry[0])
+            return (grad_u, carry[1] + grad_alpha), None
+
+        return jax.lax.scan(body, (cotangent, jnp.zeros_like(alpha)), None, length=steps)[0]
+
+    return bwd
+
+
 class _Threads:
     """A compiled call that runs with ``threads`` CPU launch threads (set before each call: the pool is global)."""
 
@@ -111,7 +127,9 @@ def bench_heat(sizes, steps: int) -> list[dict]:
         weights = jax.random.normal(jax.random.PRNGKey(1), (n, n))
         ours_fwd, ours_grad = scan_fns(_warp_step, steps, weights)
         ref_fwd, ref_grad = scan_fns(_jax_step, steps, weights)
-        for direction, ours, ref, args in (("fwd", ours_fwd, ref_fwd, (u, alpha)), ("fwd+bwd", ours_grad, ref_grad, (alpha, u))):
+        directions = (("fwd", ours_fwd, ref_fwd, (u, alpha)), ("fwd+bwd", ours_grad, ref_grad, (alpha, u)),
+                      ("bwd", backward_scan(_warp_step, steps), backward_scan(_jax_step, steps), (u, alpha, weights)))
+        for direction, ours, ref, args in directions:
             cases = {f"warpnn {full} threads": (_Threads(ours, args, full), args)}
             if full > 1 and jax.default_backend() == "cpu":
                 cases["warpnn 1 thread"] = (_Threads(ours, args, 1), args)
