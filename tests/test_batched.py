@@ -758,6 +758,43 @@ def test_split_launches_with_more_threads_than_cpus_are_reproducible_and_right()
     assert float(words[4]) < 1e-5, out.stdout
 
 
+_BIG_ZEROED_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np, warp as wp
+import warpnn
+from warpnn._launch import LAUNCHER
+from tests.kernels_for_tests import scale_square
+wp.config.quiet = True
+if LAUNCHER.name != "native":
+    print("SKIP native launcher unavailable"); sys.exit(0)
+f = warpnn.jax_kernel(scale_square, output_dims=300_001)  # 1.2 MB, of which the launch writes the first 1000
+call = jax.jit(lambda x: f(x, 2.0, launch_dims=1000)[0])
+x = jnp.linspace(-1.0, 1.0, 1000)
+bad = 0
+for k in range(6):
+    junk = jnp.full((300_001,), float(k + 1)) * 3.0  # freed buffers full of non-zeros for XLA to hand out again
+    junk.block_until_ready(); del junk
+    y = np.asarray(call(x))
+    bad += int(np.count_nonzero(y[1000:])) + int(not np.allclose(y[:1000], 2.0 * np.asarray(x) ** 2))
+print("BAD", bad)
+"""
+
+
+def test_a_big_cpu_result_is_zeroed_by_the_pool_whole():
+    """Results of 128 KiB or more are zeroed on the pool's threads, each a share of every result: every element the
+    launch does not write is 0, call after call, whatever buffer XLA reuses (subprocess: four pool threads)."""
+    import subprocess
+    import sys
+
+    env = subprocess_env(WARPNN_CPU_THREADS="4", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _BIG_ZEROED_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(out.stdout)
+    assert out.stdout.split("BAD")[-1].split()[0] == "0", out.stdout
+
+
 @pytest.mark.parametrize("spin_us", ["0", "100", "100000"])
 def test_the_cpu_pool_hands_over_launches_with_and_without_polling(spin_us):
     """$WARPNN_CPU_SPIN_US: how long idle workers (and the caller) poll before sleeping. Every setting, from sleeping
