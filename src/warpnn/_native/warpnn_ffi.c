@@ -1051,39 +1051,7 @@ static void cpu_loop_slice(void* ctx_, int w, int n) {
     }
 }
 
-/* A CPU call's results to zero before its launch: big ones on the pool's threads, as many as get 64 KiB each. One
- * thread zeroing a 158,802-spring force array took 48 us of a 16-thread launch's 360 on the GPU machine's CPUs
- * (its cache lines sat in the other cores' caches after the last launch's sums). */
-enum { kMaxZeroRegions = 16, kZeroBytesPerWorker = 64 << 10 };
-typedef struct {
-    uint8_t* data[kMaxZeroRegions];
-    size_t bytes[kMaxZeroRegions];
-    int n;
-    size_t total;
-} CpuZero;
-
-static void cpu_zero_slice(void* ctx_, int w, int n) {
-    const CpuZero* z = (const CpuZero*)ctx_;
-    for (int r = 0; r < z->n; ++r) {
-        size_t lo = z->bytes[r] * (size_t)w / (size_t)n, hi = z->bytes[r] * (size_t)(w + 1) / (size_t)n;
-        memset(z->data[r] + lo, 0, hi - lo);
-    }
-}
-
-static void zero_cpu_results(CpuZero* z) {
-    int threads = atomic_load(&g_cpu_threads);
-    size_t by_size = z->total / kZeroBytesPerWorker;
-    int workers = (size_t)threads < by_size ? threads : (int)(by_size < 1 ? 1 : by_size);
-    if (workers < 2) {
-        for (int r = 0; r < z->n; ++r) memset(z->data[r], 0, z->bytes[r]);
-        return;
-    }
-    pthread_mutex_lock(&g_cpu_launch_lock); /* guards the thread pool */
-    pool_run(cpu_zero_slice, z, workers);
-    pthread_mutex_unlock(&g_cpu_launch_lock);
-}
-
-/* Scratch reused across CPU launches (guarded by g_cpu_launch_lock). *//* Scratch reused across CPU launches (guarded by g_cpu_launch_lock). */
+/* Scratch reused across CPU launches (guarded by g_cpu_launch_lock). */
 static uint8_t* g_cpu_scratch;
 static size_t g_cpu_scratch_size;
 
@@ -1653,7 +1621,6 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     }
 
     /* ---- zero the results on the stream: outputs accumulate (wp.atomic_add), and so do input adjoints */
-    CpuZero zero_later = {{0}, {0}, 0, 0};
     for (int32_t r = 0; r < d->num_rets[mode]; ++r) {
         const XLA_FFI_Buffer* buf = (const XLA_FFI_Buffer*)frame->rets.rets[r];
         const int64_t* p = d->params + (size_t)d->ret_param[mode][r] * P_NCOLS;
@@ -1681,15 +1648,10 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
                 FAIL(XLA_FFI_Error_Code_INTERNAL, "warpnn: kernel '%s' (%s): zeroing result %d on CUDA device %d "
                      "failed: %s", kname, kDirection[mode], (int)r, (int)ordinal, es ? es() : "?");
             }
-        } else if (zero_later.n < kMaxZeroRegions) {
-            zero_later.data[zero_later.n] = (uint8_t*)buf->data;
-            zero_later.bytes[zero_later.n++] = nbytes;
-            zero_later.total += nbytes;
         } else {
             memset(buf->data, 0, nbytes);
         }
     }
-    if (zero_later.n) zero_cpu_results(&zero_later);
     if (total == 0) goto done;
 
     /* ---- one launch of the batched twin for the whole batch; on the CPU, maybe cut into slices on several threads */
