@@ -565,6 +565,15 @@ def reads_a_parameter_after_a_guard(x: wp.array2d(dtype=float), p: wp.array(dtyp
 
 
 @wp.kernel
+def stores_into_its_parameter_through_a_row(x: wp.array2d(dtype=float), p: wp.array2d(dtype=float),
+                                            y: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    y[i, j] = p[0, 0] * x[i, j]
+    row = p[1]
+    row[0] = x[i, j]
+
+
+@wp.kernel
 def adds_into_its_parameter(x: wp.array2d(dtype=float), p: wp.array(dtype=float), y: wp.array2d(dtype=float)):
     i, j = wp.tid()
     y[i, j] = p[0] * x[i, j]
@@ -630,6 +639,7 @@ def test_the_row_loop_reads_a_read_only_array_at_a_constant_index_once_per_row()
     assert hoisted(polynomial_2d) == ["warpnn_h0 = p[0]", "warpnn_h1 = p[1]"]
     assert hoisted(reads_a_parameter_after_a_guard) == []  # an element that returns early never reads it
     assert hoisted(adds_into_its_parameter) == []  # written by the kernel: its value may change during the launch
+    assert hoisted(stores_into_its_parameter_through_a_row) == []  # a row view may be stored through
     assert hoisted(masked_square_sum) == []
 
 
