@@ -695,44 +695,41 @@ def test_the_thread_split_analysis_never_sums_an_array_the_uses_analysis_finds_s
     assert stored_somewhere > 20  # the check had stores to look at
 
 
-_POOL_SCRIPT = """
-import sys
+# The start of every pool script below (each runs in a subprocess: the pool's settings are read once per process).
+_NATIVE_PRELUDE = """
+import os, sys
 import jax, jax.numpy as jnp, numpy as np, warp as wp
 import warpnn
 from warpnn._launch import LAUNCHER
-from tests.kernels_for_tests import heat_step, heat_step_ref
+from tests import kernels_for_tests as K
 wp.config.quiet = True
 if LAUNCHER.name != "native":
     print("SKIP native launcher unavailable"); sys.exit(0)
-heat = warpnn.jax_kernel(heat_step)
+"""
+# A 20-step scan of the heat stencil (`scan`) and its pure-JAX reference (`ref`), at a size whose launches split.
+_HEAT_SCAN = """
+heat = warpnn.jax_kernel(K.heat_step)
 u, alpha = jax.random.normal(jax.random.PRNGKey(0), (96, 64)), jnp.array([0.3])
-step = jax.jit(lambda u: jax.lax.scan(lambda c, _: (heat(c, alpha, 0.2)[0], None), u, None, length=20)[0])
-ref = jax.jit(lambda u: jax.lax.scan(lambda c, _: (heat_step_ref(c, alpha, 0.2), None), u, None, length=20)[0])
+scan = jax.jit(lambda u: jax.lax.scan(lambda c, _: (heat(c, alpha, 0.2)[0], None), u, None, length=20)[0])
+ref = jax.jit(lambda u: jax.lax.scan(lambda c, _: (K.heat_step_ref(c, alpha, 0.2), None), u, None, length=20)[0])
+"""
+
+_POOL_SCRIPT = _NATIVE_PRELUDE + _HEAT_SCAN + """
 before = LAUNCHER.impl.twins.threaded_launches()
-got = np.asarray(step(u))
+got = np.asarray(scan(u))
 print("THREADED", LAUNCHER.impl.twins.threaded_launches() - before, "ERR", float(np.abs(got - np.asarray(ref(u))).max()))
 """
 
 
 _OVERSUBSCRIBED_SCRIPT = """
-import os, sys
+import os
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before any thread starts: every thread inherits it
-import jax, jax.numpy as jnp, numpy as np, warp as wp
-import warpnn
-from warpnn._launch import LAUNCHER
-from tests.kernels_for_tests import heat_step, heat_step_ref, spring_forces_fn, spring_forces_ref, springs_case
-wp.config.quiet = True
-if LAUNCHER.name != "native":
-    print("SKIP native launcher unavailable"); sys.exit(0)
-heat = warpnn.jax_kernel(heat_step)
-u, alpha = jax.random.normal(jax.random.PRNGKey(0), (96, 64)), jnp.array([0.3])
-scan = jax.jit(lambda u: jax.lax.scan(lambda c, _: (heat(c, alpha, 0.2)[0], None), u, None, length=20)[0])
-ref = jax.jit(lambda u: jax.lax.scan(lambda c, _: (heat_step_ref(c, alpha, 0.2), None), u, None, length=20)[0])
-forces = spring_forces_fn()
-pos, springs, stiffness, rest = springs_case(3000)
+""" + _NATIVE_PRELUDE + _HEAT_SCAN + """
+forces = K.spring_forces_fn()
+pos, springs, stiffness, rest = K.springs_case(3000)
 w = jax.random.normal(jax.random.PRNGKey(3), pos.shape)
 grad = jax.jit(jax.grad(lambda p, k: jnp.vdot(w, forces(p, springs, k, rest)), argnums=(0, 1)))
-grad_ref = jax.grad(lambda p, k: jnp.vdot(w, spring_forces_ref(p, springs, k, rest, 1.0)), argnums=(0, 1))
+grad_ref = jax.grad(lambda p, k: jnp.vdot(w, K.spring_forces_ref(p, springs, k, rest, 1.0)), argnums=(0, 1))
 before = LAUNCHER.impl.twins.threaded_launches()
 heats = [np.asarray(scan(u)) for _ in range(4)]
 grads = [[np.asarray(g) for g in grad(pos, stiffness)] for _ in range(4)]
@@ -768,16 +765,8 @@ def test_split_launches_with_more_threads_than_cpus_are_reproducible_and_right()
     assert float(words[4]) < 1e-5, out.stdout
 
 
-_BIG_ZEROED_SCRIPT = """
-import sys
-import jax, jax.numpy as jnp, numpy as np, warp as wp
-import warpnn
-from warpnn._launch import LAUNCHER
-from tests.kernels_for_tests import scale_square
-wp.config.quiet = True
-if LAUNCHER.name != "native":
-    print("SKIP native launcher unavailable"); sys.exit(0)
-f = warpnn.jax_kernel(scale_square, output_dims=300_001)  # 1.2 MB, of which the launch writes the first 1000
+_BIG_ZEROED_SCRIPT = _NATIVE_PRELUDE + """
+f = warpnn.jax_kernel(K.scale_square, output_dims=300_001)  # 1.2 MB, of which the launch writes the first 1000
 call = jax.jit(lambda x: f(x, 2.0, launch_dims=1000)[0])
 x = jnp.linspace(-1.0, 1.0, 1000)
 bad = 0
