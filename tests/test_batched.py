@@ -721,6 +721,20 @@ print("THREADED", LAUNCHER.impl.twins.threaded_launches() - before, "ERR", float
 """
 
 
+
+def _run_native_script(script: str, **variables: str) -> str:
+    """The standard output of ``script`` run by a fresh CPU-only Python with ``variables`` set; skips the test where
+    the script found no native launcher."""
+    import subprocess
+    import sys
+
+    env = subprocess_env(JAX_PLATFORMS="cpu", **variables)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(out.stdout)
+    return out.stdout
+
 _OVERSUBSCRIBED_SCRIPT = """
 import os
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before any thread starts: every thread inherits it
@@ -748,21 +762,14 @@ def test_split_launches_with_more_threads_than_cpus_are_reproducible_and_right()
     and a spring-force scatter's gradient come out bitwise the same four times, and match pure JAX. A worker that
     wakes late for a launch claims nothing of it (subprocess: the pool is per process)."""
     import os
-    import subprocess
-    import sys
 
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("needs os.sched_setaffinity (Linux)")
-    env = subprocess_env(WARPNN_CPU_THREADS="6", WARPNN_CPU_MIN_WORK="1", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _OVERSUBSCRIBED_SCRIPT], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    if out.stdout.startswith("SKIP"):
-        pytest.skip(out.stdout)
-    words = out.stdout.split("THREADED")[-1].split()
-    assert int(words[0]) >= 4 * 20 + 4, out.stdout  # the scans' launches and the gradients' adjoints split
-    assert words[2] == "True", out.stdout
-    assert float(words[4]) < 1e-5, out.stdout
+    stdout = _run_native_script(_OVERSUBSCRIBED_SCRIPT, WARPNN_CPU_THREADS="6", WARPNN_CPU_MIN_WORK="1")
+    words = stdout.split("THREADED")[-1].split()
+    assert int(words[0]) >= 4 * 20 + 4, stdout  # the scans' launches and the gradients' adjoints split
+    assert words[2] == "True", stdout
+    assert float(words[4]) < 1e-5, stdout
 
 
 _BIG_ZEROED_SCRIPT = _NATIVE_PRELUDE + """
@@ -783,16 +790,8 @@ def test_a_big_cpu_result_is_zeroed_whole_on_every_call():
     """Every element of a 1.2 MB result that the launch does not write is 0, call after call, whatever buffer XLA
     reuses (subprocess: four pool threads). It guarded a pool-threaded zeroing that did not pay (noise-level on 16
     cores) and was taken out again; it keeps any later split of the zeroing honest."""
-    import subprocess
-    import sys
-
-    env = subprocess_env(WARPNN_CPU_THREADS="4", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _BIG_ZEROED_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    if out.stdout.startswith("SKIP"):
-        pytest.skip(out.stdout)
-    assert out.stdout.split("BAD")[-1].split()[0] == "0", out.stdout
+    stdout = _run_native_script(_BIG_ZEROED_SCRIPT, WARPNN_CPU_THREADS="4")
+    assert stdout.split("BAD")[-1].split()[0] == "0", stdout
 
 
 @pytest.mark.parametrize("spin_us", ["0", "100", "100000"])
@@ -800,15 +799,7 @@ def test_the_cpu_pool_hands_over_launches_with_and_without_polling(spin_us):
     """$WARPNN_CPU_SPIN_US: how long idle workers (and the caller) poll before sleeping. Every setting, from sleeping
     at once to polling for 0.1 s, runs a scan's back-to-back split launches to the same result (subprocess: the
     setting is read once per process)."""
-    import subprocess
-    import sys
-
-    env = subprocess_env(WARPNN_CPU_SPIN_US=spin_us, WARPNN_CPU_THREADS="3", WARPNN_CPU_MIN_WORK="1", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _POOL_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    if out.stdout.startswith("SKIP"):
-        pytest.skip(out.stdout)
-    words = out.stdout.split("THREADED")[-1].split()
-    assert int(words[0]) == 20, out.stdout  # every launch of the scan split across the pool
-    assert float(words[2]) < 1e-5, out.stdout
+    stdout = _run_native_script(_POOL_SCRIPT, WARPNN_CPU_SPIN_US=spin_us, WARPNN_CPU_THREADS="3", WARPNN_CPU_MIN_WORK="1")
+    words = stdout.split("THREADED")[-1].split()
+    assert int(words[0]) == 20, stdout  # every launch of the scan split across the pool
+    assert float(words[2]) < 1e-5, stdout

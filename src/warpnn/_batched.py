@@ -230,10 +230,9 @@ class _ArrayRewriter(ast.NodeTransformer):
     def visit_Subscript(self, node: ast.Subscript):
         value = node.value
         if isinstance(value, ast.Name) and value.id in self.ndims:
-            index = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
-            if len(index) != self.ndims[value.id] or any(isinstance(i, ast.Slice) for i in index):
+            if not _indexes_every_dim(node, self.ndims[value.id]):
                 raise _Refused(f"it indexes its array '{value.id}' other than element by element")
-            index = [self.visit(i) for i in index]
+            index = [self.visit(i) for i in _subscript_indices(node)]
             new = ast.Subscript(value=self._batched(value.id), slice=ast.Tuple(elts=[self._b(), *index], ctx=ast.Load()), ctx=node.ctx)
             return ast.copy_location(new, node)
         if (isinstance(value, ast.Attribute) and value.attr == "shape" and isinstance(value.value, ast.Name)
@@ -261,16 +260,21 @@ class _ArrayRewriter(ast.NodeTransformer):
         return node
 
 
+def _subscript_indices(node: ast.Subscript) -> list[ast.expr]:
+    """The index expressions of ``x[i]`` / ``x[i, j]``, one per indexed dim."""
+    return list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+
+
 def _constant_index(node: ast.Subscript) -> tuple[int, ...] | None:
     """The indices of ``x[1]`` / ``x[0, 2]`` when all are non-negative int literals, else None."""
-    index = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+    index = _subscript_indices(node)
     if all(isinstance(i, ast.Constant) and type(i.value) is int and i.value >= 0 for i in index):
         return tuple(i.value for i in index)  # type: ignore[attr-defined]
     return None
 
 
 def _indexes_every_dim(node: ast.Subscript, ndim: int) -> bool:
-    index = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+    index = _subscript_indices(node)
     return len(index) == ndim and not any(isinstance(i, ast.Slice) for i in index)
 
 
@@ -325,21 +329,16 @@ def _hoisted_reads(body: list[ast.stmt], ndims: dict[str, int]) -> tuple[list[as
     read_only = _read_only_arrays(body, ndims)
     unconditional: list[tuple[str, tuple[int, ...]]] = []
     for stmt in body:
-        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr)):
-            break  # control flow: later statements may not run
+        # control flow (a statement, or a conditional expression within one): what follows may not run
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr)) or any(
+                isinstance(node, (ast.IfExp, ast.BoolOp, ast.Lambda)) for node in ast.walk(stmt)):
+            break
         for node in ast.walk(stmt):
-            if isinstance(node, (ast.IfExp, ast.BoolOp, ast.Lambda)):
-                break
-        else:
-            for node in ast.walk(stmt):
-                if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in read_only
-                        and isinstance(node.ctx, ast.Load)):
-                    index = _constant_index(node)
-                    if index is not None and len(index) == ndims[node.value.id]:
-                        if (node.value.id, index) not in unconditional:
-                            unconditional.append((node.value.id, index))
-            continue
-        break
+            if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in read_only
+                    and isinstance(node.ctx, ast.Load)):
+                index = _constant_index(node)
+                if index is not None and len(index) == ndims[node.value.id] and (node.value.id, index) not in unconditional:
+                    unconditional.append((node.value.id, index))
     names = {key: f"{BATCH_PREFIX}h{k}" for k, key in enumerate(unconditional)}
     hoister = _HoistConstantReads(names)
     prologue = [f"{local} = {name}[{', '.join(map(str, index))}]" for (name, index), local in names.items()]
