@@ -532,6 +532,20 @@ def test_build_from_source_and_stale_library_rejected(tmp_path, monkeypatch):
         _native_launch._open(path)
 
 
+@needs_native
+def test_a_library_built_against_newer_ffi_headers_than_this_jaxlib_is_refused(monkeypatch):
+    """XLA refuses handlers newer than itself, and its CPU backend then fails to start: a build compiled against a
+    newer jax's headers (a second environment's, sharing the source tree or the wheel) must never be loaded."""
+    running = _native_launch.running_ffi_api_version()
+    assert running is not None and running >= 1  # the headers of this jax are readable (0.1 at least)
+    path = _native_launch.library_path()
+    _native_launch._open(path)  # the loaded build passes the check as it is
+    assert f"-ffi{running}-" in _native_launch.cache_dir().name  # cache builds are kept apart per FFI version
+    monkeypatch.setattr(_native_launch, "running_ffi_api_version", lambda: running - 1)  # as under an older jaxlib
+    with pytest.raises(_native_launch.NativeUnavailable, match="newer than this jaxlib"):
+        _native_launch._open(path)
+
+
 # ---------------------------------------------------------------------------------------------- GPU only
 
 

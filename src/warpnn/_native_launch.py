@@ -25,16 +25,21 @@ Where the library comes from, first match wins:
    compiler in ``$CC`` (else ``cc``, ``gcc``, ``clang``) against ``jax.ffi.include_dir()``.
 
 A library is used only if it was built from this exact source (its embedded hash matches), so a stale
-build can never be paired with a newer Python side.
+build can never be paired with a newer Python side, and only if it was compiled against XLA FFI headers no newer
+than the running jaxlib's (a handler newer than XLA fails its registration, which takes JAX's CPU backend down
+with it: a wheel or a source tree shared by environments with different jax versions). The cache is kept per
+FFI API version.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform as _platform
+import re
 import shutil
 import subprocess
 import sys
@@ -128,9 +133,21 @@ def compile_library(output: Path | str, *, compiler: str | None = None, include_
     return output
 
 
+@functools.cache
+def running_ffi_api_version() -> int | None:
+    """The XLA FFI API version of the running jaxlib (major * 1000 + minor), read from the headers it ships
+    (``jax.ffi.include_dir()``); None where they cannot be read."""
+    try:
+        header = (Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h").read_text()
+    except OSError:
+        return None
+    major, minor = (re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", header) for part in ("MAJOR", "MINOR"))
+    return int(major.group(1)) * 1000 + int(minor.group(1)) if major and minor else None
+
+
 def cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "warpnn")
-    return Path(root) / "native" / f"{source_hash()}-{sys.platform}-{_platform.machine()}"
+    return Path(root) / "native" / f"{source_hash()}-ffi{running_ffi_api_version()}-{sys.platform}-{_platform.machine()}"
 
 
 def _open(path: Path) -> ctypes.CDLL:
@@ -146,6 +163,14 @@ def _open(path: Path) -> ctypes.CDLL:
         raise NativeUnavailable(
             f"{path} is stale: built from source {built_from} (ABI {abi}), this warpnn is {source_hash()} (ABI "
             f"{ABI_VERSION}); rebuild it"
+        )
+    lib.warpnn_ffi_api_version.restype = ctypes.c_int32
+    built_for, running = lib.warpnn_ffi_api_version(), running_ffi_api_version()
+    if running is not None and built_for > running:
+        raise NativeUnavailable(
+            f"{path} was compiled against XLA FFI API {built_for // 1000}.{built_for % 1000}, newer than this "
+            f"jaxlib's {running // 1000}.{running % 1000} (jax {jax.__version__}), which would refuse its handlers; "
+            f"rebuild it against this jax (python -m warpnn._native_launch --build-into DIR)"
         )
     return lib
 

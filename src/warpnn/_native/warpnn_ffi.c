@@ -211,6 +211,9 @@ static pthread_mutex_t g_cpu_launch_lock = PTHREAD_MUTEX_INITIALIZER;
 
 WARPNN_EXPORT int32_t warpnn_abi_version(void) { return WARPNN_ABI_VERSION; }
 WARPNN_EXPORT const char* warpnn_source_hash(void) { return WARPNN_SOURCE_HASH; }
+/* The XLA FFI API version of the headers this was compiled against: XLA refuses to register a handler newer than
+ * itself, and then no JAX CPU backend comes up at all, so Python loads only a build no newer than its jaxlib. */
+WARPNN_EXPORT int32_t warpnn_ffi_api_version(void) { return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR; }
 WARPNN_EXPORT int32_t warpnn_array_t_size(void) { return (int32_t)sizeof(wp_array_t); }
 
 /* Why the resolver (Python) could not load a module, for the handler's error message; per thread, since the
