@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import warp as wp
 
 import warpnn
-from warpnn import _batched
+from warpnn import _batched, _spread
 from warpnn._launch import LAUNCHER
 from warpnn.kernels import cloth
 
@@ -133,6 +133,9 @@ def bench_heat(sizes, steps: int) -> list[dict]:
             cases = {f"warpnn {full} threads": (_Threads(ours, args, full), args)}
             if full > 1 and jax.default_backend() == "cpu":
                 cases["warpnn 1 thread"] = (_Threads(ours, args, 1), args)
+            if jax.default_backend() != "cpu":
+                with _spread.override(False):  # Warp's own adjoint: every thread adds into alpha[0]
+                    cases["warpnn, adjoint not spread"] = (_Threads(ours, args, full), args)
             cases["pure JAX"] = (jax.jit(ref).lower(*args).compile(), args)
             times = time_interleaved(cases, rounds=8, per_round=3)
             _Threads._set(full)

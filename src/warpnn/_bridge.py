@@ -16,7 +16,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _checked, _cuda_graphs, _pruned, _sharding
+from . import _checked, _cuda_graphs, _pruned, _sharding, _spread
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
@@ -813,6 +813,15 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
             "module), so it cannot be differentiated. Remove enable_backward=False, or keep its inputs out of "
             "the gradient with jax.lax.stop_gradient if you only need its forward pass."
         )
+    # Small parameters every thread reads at a constant index (alpha[0]) get their adjoint spread over copies on a
+    # GPU, so that a million threads do not add into one address: _spread.py.
+    spread = _spread.spread_inputs(sig, _array_shapes(plan, arrays)) if _spread.pays(plan.launch_dims) else ()
+    differentiated = sig.array_inputs  # what JAX gets adjoints for (the twin has more inputs)
+    if spread:
+        by_input = dict(zip((s.name for s in sig.array_inputs), arrays))
+        plan = dataclasses.replace(plan, sig=_spread.with_spread(sig, spread))
+        sig = plan.sig
+        arrays = (*arrays, *(_spread.spread_copies(by_input[n]) for n in spread))
     unused = frozenset(s.name for s in sig.outputs if s.is_float and isinstance(cts[s.name], SymbolicZero))
     if unused and type(sig) is not KernelSignature:
         unused = frozenset()  # (checked mode's signatures keep their own kernel)
@@ -843,8 +852,10 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     adjoints = _first_order_only(plan, True, *arrays, *outputs, *float_cts)
     by_name = dict(zip((s.name for s in (*sig.adjoint_inputs, *sig.carried_adjoints)), adjoints))
     by_name.update({x: by_name[y] for x, y in sig.adjoints_in_place})
+    for name in spread:
+        by_name[name] = by_name[name] + by_name[_spread.spread_name(name)].sum(axis=0)
     constant = sig.constant_inputs
-    return tuple(None if spec.name in constant else by_name.get(spec.name) for spec in sig.array_inputs)
+    return tuple(None if spec.name in constant else by_name.get(spec.name) for spec in differentiated)
 
 
 _differentiable_call.defvjp(_differentiable_call_fwd, _differentiable_call_bwd, symbolic_zeros=True)

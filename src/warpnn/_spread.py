@@ -1,0 +1,173 @@
+"""Adjoint twins that spread a shared parameter's adjoint over many addresses, for GPU launches.
+
+A kernel that reads a small parameter at a constant index in every thread (``alpha[0]`` in a diffusion stencil, a
+learnable stiffness ``k[0]``) gets from Warp's adjoint one atomic add per thread into that one element. On a GPU
+those adds queue on one address in the L2 cache: on an H200 a 1024² heat stencil's backward step took 1.9 ms for
+its million adds into ``alpha``, 63× pure JAX's (docs/benchmarks-speed-gpu.md). The twin built here reads
+``alpha__wnspread[slot, 0]`` instead, where ``alpha__wnspread`` holds :data:`SLOTS` copies of ``alpha`` and
+``slot`` comes from the thread's coordinates (neighbouring threads, neighbouring slots: a warp's adds land on one
+cache line), and the bridge adds the slots' adjoints into ``alpha``'s. The forward values are the same (the copies
+are exact); the gradient is the same sum in another order, which on a GPU has no fixed order anyway. Compiled from
+the kernel's source into a module of its own, like the other twins (the user's module is never touched).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import warp as wp
+
+from . import _batched
+from ._signature import KernelSignature, signature_of
+
+SLOTS = 1024  # copies of a spread parameter: its adds per address drop by this much
+MIN_THREADS = 1 << 14  # launches smaller than this keep Warp's adjoint as it is (few adds, one more buffer)
+MAX_ELEMENTS = 64  # elements of a parameter that is spread (each slot holds a whole copy)
+_PREFIX = "wnspread_"
+_SUFFIX = "__wnspread"
+
+
+_override: bool | None = None
+
+
+def pays(launch_dims: tuple[int, ...]) -> bool:
+    """Whether spreading pays for a launch over ``launch_dims``: on a GPU (a CPU thread adds in order, and the CPU's
+    row loop already keeps such an adjoint in a register: ``_batched._hoisted_reads``), for big launches."""
+    if _override is not None:
+        return _override
+    return jax.default_backend() != "cpu" and math.prod(launch_dims) >= MIN_THREADS
+
+
+@contextlib.contextmanager
+def override(spread: bool | None):
+    """Within this block, adjoints traced are spread wherever possible (True), never (False), or where it pays
+    (None): for tests on the CPU, and for benchmarks against Warp's own adjoint. The choice is made while tracing."""
+    global _override
+    before, _override = _override, spread
+    try:
+        yield
+    finally:
+        _override = before
+
+
+def spread_name(name: str) -> str:
+    """The twin's parameter holding the copies of array ``name``."""
+    return f"{name}{_SUFFIX}"
+
+
+def spread_inputs(sig: KernelSignature, shapes: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
+    """The differentiated inputs of ``sig`` that its twin would spread in a call with these array ``shapes`` (JAX's,
+    by name): float arrays of at most :data:`MAX_ELEMENTS` elements that the kernel only reads element by element in
+    its own body (no store, atomic, view or @wp.func taking them), at least once at constant indices. Found
+    conservatively in the source; () where the twin cannot be built."""
+    if type(sig) is not KernelSignature:
+        return ()  # (checked mode's signatures keep their own kernel)
+    base = sig._base
+    candidates = base.__dict__.get("_spread_candidates")
+    if candidates is None:
+        candidates = base.__dict__["_spread_candidates"] = _candidates(base)
+    differentiated = {s.name for s in sig.adjoint_inputs}
+    return tuple(n for n in candidates if n in differentiated and math.prod(shapes[n]) <= MAX_ELEMENTS)
+
+
+def with_spread(sig: KernelSignature, names: tuple[str, ...]) -> KernelSignature:
+    """The signature of ``sig``'s spread twin: its parameters, then one array per name in ``names`` before the pure
+    outputs (``spread_name``: shape ``(SLOTS, *shape)``), with the same constant and ``None`` inputs."""
+    n_pure = len(sig.outputs)
+    twin = _spread_kernel(sig.kernel, names, n_pure)
+    twin_sig = signature_of(twin, num_outputs=n_pure + len(sig.in_out_names), in_out_argnames=sig.in_out_names,
+                            block_dim=sig.block_dim)
+    return twin_sig.variant(constant_inputs=sig.constant_inputs, null_inputs=sig.null_inputs)
+
+
+def spread_copies(value: jax.Array) -> jax.Array:
+    """The twin's operand for a spread input ``value``: :data:`SLOTS` copies of it."""
+    return jnp.broadcast_to(value, (SLOTS, *value.shape))
+
+
+def _kernel_body(kernel) -> ast.FunctionDef | None:
+    try:
+        fn = kernel.adj.tree.body[0]
+    except Exception:  # noqa: BLE001 - no source tree
+        return None
+    return fn if isinstance(fn, ast.FunctionDef) else None
+
+
+def _candidates(sig: KernelSignature) -> tuple[str, ...]:
+    kernel = sig.kernel
+    fn = _kernel_body(kernel)
+    options = {**kernel.module.options, **kernel.options}
+    if (fn is None or kernel.is_generic or options.get("block_dim", 1) not in (1, 256)
+            or kernel.options.get("block_dim") is not None
+            or any(isinstance(n, ast.Name) and n.id.startswith(_PREFIX) for n in ast.walk(fn))):
+        return ()  # tiles and cooperative blocks (wp.tid() means something else there), or names the twin needs
+    try:
+        _batched._check_no_block_builtins(fn)
+    except _batched._Refused:
+        return ()
+    ndims = {a.name: a.warp_ndim for a in (*sig.inputs, *sig.outputs) if a.is_array and "." not in a.name}
+    read_only = _batched._read_only_arrays(fn.body, ndims)
+    constant_reads = {node.value.id for node in ast.walk(fn)
+                      if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                      and isinstance(node.ctx, ast.Load) and node.value.id in ndims
+                      and len(_batched._constant_index(node) or ()) == ndims[node.value.id]}
+    params = {p.label for p in kernel.adj.args}
+    return tuple(
+        s.name for s in sig.inputs
+        if s.is_array and s.is_float and s.name in ndims and s.name not in sig.in_out_names
+        and s.name in read_only and s.name in constant_reads and s.warp_ndim < _batched._MAX_DIMS
+        and spread_name(s.name) not in params
+        and (use := sig.uses.get(s.name)) is not None and use.undecided is None and not use.viewed
+        and all(a.kind == "read" and a.via is None for a in use.accesses))
+
+
+class _SpreadReads(ast.NodeTransformer):
+    """``alpha[0]`` -> ``alpha__wnspread[wnspread_slot, 0]`` for the arrays ``names``, at constant indices."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+
+    def visit_Subscript(self, node: ast.Subscript):
+        if (isinstance(node.value, ast.Name) and node.value.id in self.names and isinstance(node.ctx, ast.Load)
+                and _batched._constant_index(node) is not None):
+            index = [ast.Name(id=f"{_PREFIX}slot", ctx=ast.Load()), *_batched._subscript_indices(node)]
+            return ast.copy_location(ast.Subscript(value=ast.Name(id=spread_name(node.value.id), ctx=ast.Load()),
+                                                   slice=ast.Tuple(elts=index, ctx=ast.Load()), ctx=ast.Load()), node)
+        return self.generic_visit(node)
+
+
+@functools.cache
+def _spread_kernel(kernel, names: tuple[str, ...], n_pure: int):
+    adj = kernel.adj
+    fn = copy.deepcopy(_kernel_body(kernel))
+    kernel_dim = getattr(adj, "kernel_dim", None)
+    if kernel_dim is None:
+        adj.get_references()  # Warp sets kernel_dim (the arity of wp.tid()) when it hashes the module
+        kernel_dim = adj.kernel_dim
+    kernel_dim = max(1, int(kernel_dim))
+    arg_types = dict(adj.arg_types)
+    arg_types.pop("return", None)
+    params = list(arg_types)
+    spread = {spread_name(n): _batched._array_type(arg_types[n], 1) for n in names}
+    annotations = {**{n: arg_types[n] for n in params[: len(params) - n_pure]}, **spread,
+                   **{n: arg_types[n] for n in params[len(params) - n_pure:]}}
+    coords = [f"{_PREFIX}t{k}" for k in range(kernel_dim)]
+    # Threads next to each other in the last launch dim (one warp) take slots next to each other; the dim before
+    # it moves the pattern, so that a launch whose last dim is short still uses many slots.
+    slot = f"{coords[-1]} % {SLOTS}" if kernel_dim == 1 else f"({coords[-1]} + 33 * ({coords[-2]} % {SLOTS})) % {SLOTS}"
+    prologue = [f"{', '.join(coords)} = {_batched.BATCH_PREFIX}wp.tid()", f"{_PREFIX}slot = {slot}"]
+    body = [_SpreadReads(names).visit(stmt) for stmt in fn.body]
+    name = f"{fn.name}{_SUFFIX}"
+    source = "\n".join([f"def {name}({', '.join(annotations)}):", *("    " + line for line in prologue),
+                        *("    " + line for line in ast.unparse(ast.Module(body=body, type_ignores=[])).splitlines())])
+    return _batched._kernel_from_source(kernel, source + "\n", name, annotations, key=f"{kernel.key}{_SUFFIX}",
+                                        kind="warpnn_spread")
+
+
+__all__ = ["MAX_ELEMENTS", "MIN_THREADS", "SLOTS", "override", "pays", "spread_copies", "spread_inputs", "spread_name", "with_spread"]

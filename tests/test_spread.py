@@ -1,0 +1,141 @@
+"""Spread adjoints (``_spread.py``): a small parameter read at constant indices by every thread gets its adjoint
+added over copies, and the gradients stay those of pure JAX and of Warp's own adjoint."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import warp as wp
+
+import warpnn
+from warpnn import _spread
+from warpnn._signature import signature_of
+
+from .helpers import assert_close
+from .kernels_for_tests import heat_step, heat_step_ref
+
+
+@wp.kernel
+def shared_params(x: wp.array(dtype=wp.vec3), g: wp.array(dtype=wp.vec3), m: wp.array2d(dtype=float),
+                  w: wp.array(dtype=float), y: wp.array(dtype=wp.vec3)):
+    # g: read at a constant index and at a computed one; m: two constant indices; w: at the thread's own element
+    i = wp.tid()
+    k = i % 4
+    y[i] = m[1, 0] * x[i] + m[0, 1] * g[0] + w[i] * g[k]
+
+
+def shared_params_ref(x, g, m, w):
+    k = jnp.arange(x.shape[0]) % 4
+    return m[1, 0] * x + m[0, 1] * g[0] + w[:, None] * g[k]
+
+
+@wp.func
+def scaled(a: wp.array(dtype=float), v: float):
+    return a[0] * v
+
+
+@wp.kernel
+def not_spread(x: wp.array(dtype=float), stored: wp.array(dtype=float), added: wp.array(dtype=float),
+               via_func: wp.array(dtype=float), computed: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = stored[0] * added[0] * scaled(via_func, x[i]) * computed[i % 2]
+    stored[0] = 1.0  # (an input the kernel writes: refused at construction, but the analysis must not spread it)
+    wp.atomic_add(added, 0, x[i])
+
+
+def _heat_case(n=48, m=40):
+    u = jax.random.normal(jax.random.PRNGKey(0), (n, m))
+    w = jax.random.normal(jax.random.PRNGKey(1), (n, m))
+    return u, jnp.array([0.3]), w
+
+
+def _shared_case(n=64):
+    keys = jax.random.split(jax.random.PRNGKey(2), 5)
+    x = jax.random.normal(keys[0], (n, 3))
+    g = jax.random.normal(keys[1], (4, 3))
+    m = jax.random.normal(keys[2], (2, 2))
+    w = jax.random.normal(keys[3], (n,))
+    ct = jax.random.normal(keys[4], (n, 3))
+    return (x, g, m, w), ct
+
+
+def test_the_spread_inputs_are_small_float_arrays_read_at_constant_indices():
+    sig = signature_of(shared_params, 1)
+    shapes = {"x": (64, 3), "g": (4, 3), "m": (2, 2), "w": (64,)}
+    assert _spread.spread_inputs(sig, shapes) == ("g", "m")
+    assert _spread.spread_inputs(sig.without_adjoints(frozenset({"g"})), shapes) == ("m",)  # not differentiated
+    assert _spread.spread_inputs(sig, {**shapes, "g": (_spread.MAX_ELEMENTS, 3)}) == ("m",)  # too big to copy
+    sig = signature_of(not_spread, 1)
+    shapes = {n: (8,) for n in ("x", "stored", "added", "via_func", "computed")}
+    assert _spread.spread_inputs(sig, shapes) == ()  # stored, atomically added, passed to a func, computed index
+    assert _spread.spread_inputs(signature_of(heat_step, 1), {"u": (8, 8), "alpha": (1,)}) == ("alpha",)
+
+
+def test_spreading_is_for_big_gpu_launches_unless_overridden():
+    big = (_spread.MIN_THREADS,)
+    assert _spread.pays(big) == (jax.default_backend() != "cpu")
+    assert not _spread.pays((_spread.MIN_THREADS - 1,))
+    with _spread.override(True):
+        assert _spread.pays((1,))
+        with _spread.override(False):
+            assert not _spread.pays(big)
+        assert _spread.pays((1,))
+    assert _spread.pays(big) == (jax.default_backend() != "cpu")
+
+
+def _grads(loss, args, argnums, spread: bool):
+    with _spread.override(spread):
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums))(*args))
+        grads = jax.jit(jax.grad(loss, argnums))(*args)
+    assert ("__wnspread" in jaxpr) == spread
+    return grads
+
+
+def test_a_spread_heat_stencil_has_the_gradients_of_pure_jax_and_of_warps_adjoint():
+    f = warpnn.jax_kernel(heat_step)
+    u, alpha, w = _heat_case()
+    loss = lambda u, a: jnp.vdot(w, f(u, a, 0.2)[0])  # noqa: E731
+    spread = _grads(loss, (u, alpha), (0, 1), True)
+    plain = _grads(loss, (u, alpha), (0, 1), False)
+    ref = jax.grad(lambda u, a: jnp.vdot(w, heat_step_ref(u, a, 0.2)), (0, 1))(u, alpha)
+    for ours, theirs, expected in zip(spread, plain, ref):
+        assert_close(ours, theirs, 1e-5, 1e-5)
+        assert_close(ours, expected, 1e-5, 1e-4)
+
+
+def test_spread_and_direct_reads_of_one_parameter_add_up():
+    f = warpnn.jax_kernel(shared_params)
+    args, ct = _shared_case()
+    loss = lambda *a: jnp.vdot(ct, f(*a)[0])  # noqa: E731
+    spread = _grads(loss, args, (0, 1, 2, 3), True)
+    ref = jax.grad(lambda *a: jnp.vdot(ct, shared_params_ref(*a)), (0, 1, 2, 3))(*args)
+    for ours, expected in zip(spread, ref):
+        assert_close(ours, expected, 1e-5, 1e-5)
+
+
+def test_a_spread_adjoint_under_vmap_and_scan():
+    f = warpnn.jax_kernel(heat_step)
+    u, alpha, w = _heat_case(24, 16)
+    us, alphas = jnp.stack([u, -2.0 * u, 0.5 * u]), jnp.stack([alpha, 2.0 * alpha, 0.1 + alpha])
+
+    def rollout(step, u, a):
+        return jnp.vdot(w, jax.lax.scan(lambda c, _: (step(c, a), None), u, None, length=3)[0])
+
+    ours = lambda u, a: rollout(lambda c, a: f(c, a, 0.2)[0], u, a)  # noqa: E731
+    ref = lambda u, a: rollout(lambda c, a: heat_step_ref(c, a, 0.2), u, a)  # noqa: E731
+    expected = jax.vmap(jax.grad(ref, (0, 1)))(us, alphas)
+    with _spread.override(True):
+        per_element = jax.jit(jax.vmap(jax.grad(ours, (0, 1))))(us, alphas)  # vmap of grad
+        summed = jax.jit(jax.grad(lambda us, a: jax.vmap(ours, (0, None))(us, a).sum(), (0, 1)))(us, alpha)
+    for got, want in zip(per_element, expected):
+        assert_close(got, want, 1e-5, 1e-4)
+    assert_close(summed[1], jax.grad(lambda a: jax.vmap(ref, (0, None))(us, a).sum())(alpha), 1e-5, 1e-4)
+
+
+@pytest.mark.gpu
+def test_a_big_gpu_launch_spreads_by_default():
+    f = warpnn.jax_kernel(heat_step)
+    u, alpha, w = _heat_case(256, 128)
+    loss = lambda a: jnp.vdot(w, f(u, a, 0.2)[0])  # noqa: E731
+    assert "__wnspread" in str(jax.make_jaxpr(jax.grad(loss))(alpha))
+    expected = jax.grad(lambda a: jnp.vdot(w, heat_step_ref(u, a, 0.2)))(alpha)
+    assert_close(jax.jit(jax.grad(loss))(alpha), expected, 1e-4, 1e-3)
