@@ -145,7 +145,9 @@ class _SpreadReads(ast.NodeTransformer):
 @functools.cache
 def _spread_kernel(kernel, names: tuple[str, ...], n_pure: int):
     adj = kernel.adj
-    fn = copy.deepcopy(_kernel_body(kernel))
+    body_of = _kernel_body(kernel)
+    assert body_of is not None  # (spread_inputs found none without one)
+    fn = copy.deepcopy(body_of)
     kernel_dim = getattr(adj, "kernel_dim", None)
     if kernel_dim is None:
         adj.get_references()  # Warp sets kernel_dim (the arity of wp.tid()) when it hashes the module
