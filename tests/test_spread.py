@@ -139,3 +139,18 @@ def test_a_big_gpu_launch_spreads_by_default():
     assert "__wnspread" in str(jax.make_jaxpr(jax.grad(loss))(alpha))
     expected = jax.grad(lambda a: jnp.vdot(w, heat_step_ref(u, a, 0.2)))(alpha)
     assert_close(jax.jit(jax.grad(loss))(alpha), expected, 1e-4, 1e-3)
+
+
+def test_the_copies_are_a_power_of_two_per_launch_size_and_any_count_gives_the_same_gradient():
+    assert _spread.slots_for((1,)) == 32
+    assert _spread.slots_for((1024, 1024)) == _spread.SLOTS
+    assert _spread.slots_for((100, 100)) == 32  # 10,000 // 256 = 39 -> 32
+    assert _spread.slots_for((256, 256)) == 256
+    f = warpnn.jax_kernel(heat_step)
+    u, alpha, w = _heat_case(24, 20)
+    grad = jax.grad(lambda a: jnp.vdot(w, f(u, a, 0.2)[0]))
+    expected = jax.grad(lambda a: jnp.vdot(w, heat_step_ref(u, a, 0.2)))(alpha)
+    for slots in (1, 7, 4096):  # the twin reads the count from its operand
+        with _spread.override(True), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_spread, "slots_for", lambda dims, slots=slots: slots)
+            assert_close(jax.jit(grad)(alpha), expected, 1e-5, 1e-4)

@@ -821,7 +821,8 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         by_input = dict(zip((s.name for s in sig.array_inputs), arrays))
         plan = dataclasses.replace(plan, sig=_spread.with_spread(sig, spread))
         sig = plan.sig
-        arrays = (*arrays, *(_spread.spread_copies(by_input[n]) for n in spread))
+        slots = _spread.slots_for(plan.launch_dims)
+        arrays = (*arrays, *(_spread.spread_copies(by_input[n], slots) for n in spread))
     unused = frozenset(s.name for s in sig.outputs if s.is_float and isinstance(cts[s.name], SymbolicZero))
     if unused and type(sig) is not KernelSignature:
         unused = frozenset()  # (checked mode's signatures keep their own kernel)

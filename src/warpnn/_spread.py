@@ -4,7 +4,7 @@ A kernel that reads a small parameter at a constant index in every thread (``alp
 learnable stiffness ``k[0]``) gets from Warp's adjoint one atomic add per thread into that one element. On a GPU
 those adds queue on one address in the L2 cache: on an H200 a 1024² heat stencil's backward step took 1.9 ms for
 its million adds into ``alpha``, 63× pure JAX's (docs/benchmarks-speed-gpu.md). The twin built here reads
-``alpha__wnspread[slot, 0]`` instead, where ``alpha__wnspread`` holds :data:`SLOTS` copies of ``alpha`` and
+``alpha__wnspread[slot, 0]`` instead, where ``alpha__wnspread`` holds up to :data:`SLOTS` copies of ``alpha`` and
 ``slot`` comes from the thread's coordinates (neighbouring threads, neighbouring slots: a warp's adds land on one
 cache line), and the bridge adds the slots' adjoints into ``alpha``'s. The forward values are the same (the copies
 are exact); the gradient is the same sum in another order, which on a GPU has no fixed order anyway. Compiled from
@@ -26,7 +26,8 @@ import warp as wp
 from . import _batched
 from ._signature import KernelSignature, signature_of
 
-SLOTS = 1024  # copies of a spread parameter: its adds per address drop by this much
+SLOTS = 1024  # copies of a spread parameter (at most): its adds per address drop by this much
+THREADS_PER_SLOT = 256  # fewer slots for smaller launches (a smaller buffer to zero and sum)
 MIN_THREADS = 1 << 14  # launches smaller than this keep Warp's adjoint as it is (few adds, one more buffer)
 MAX_ELEMENTS = 64  # elements of a parameter that is spread (each slot holds a whole copy)
 _PREFIX = "wnspread_"
@@ -78,7 +79,8 @@ def spread_inputs(sig: KernelSignature, shapes: dict[str, tuple[int, ...]]) -> t
 
 def with_spread(sig: KernelSignature, names: tuple[str, ...]) -> KernelSignature:
     """The signature of ``sig``'s spread twin: its parameters, then one array per name in ``names`` before the pure
-    outputs (``spread_name``: shape ``(SLOTS, *shape)``), with the same constant and ``None`` inputs."""
+    outputs (``spread_name``: shape ``(slots, *shape)``, ``spread_copies``), with the same constant and ``None``
+    inputs."""
     n_pure = len(sig.outputs)
     twin = _spread_kernel(sig.kernel, names, n_pure)
     twin_sig = signature_of(twin, num_outputs=n_pure + len(sig.in_out_names), in_out_argnames=sig.in_out_names,
@@ -86,9 +88,16 @@ def with_spread(sig: KernelSignature, names: tuple[str, ...]) -> KernelSignature
     return twin_sig.variant(constant_inputs=sig.constant_inputs, null_inputs=sig.null_inputs)
 
 
-def spread_copies(value: jax.Array) -> jax.Array:
-    """The twin's operand for a spread input ``value``: :data:`SLOTS` copies of it."""
-    return jnp.broadcast_to(value, (SLOTS, *value.shape))
+def slots_for(launch_dims: tuple[int, ...]) -> int:
+    """Copies for a launch over ``launch_dims``: a power of two, one per :data:`THREADS_PER_SLOT` threads, 32 to
+    :data:`SLOTS` (the twin reads the count from its operand's shape, so one build serves every count)."""
+    wanted = max(1, math.prod(launch_dims) // THREADS_PER_SLOT)
+    return max(32, min(SLOTS, 1 << (wanted.bit_length() - 1)))
+
+
+def spread_copies(value: jax.Array, slots: int) -> jax.Array:
+    """The twin's operand for a spread input ``value``: ``slots`` copies of it."""
+    return jnp.broadcast_to(value, (slots, *value.shape))
 
 
 def _kernel_body(kernel) -> ast.FunctionDef | None:
@@ -162,8 +171,10 @@ def _spread_kernel(kernel, names: tuple[str, ...], n_pure: int):
     coords = [f"{_PREFIX}t{k}" for k in range(kernel_dim)]
     # Threads next to each other in the last launch dim (one warp) take slots next to each other; the dim before
     # it moves the pattern, so that a launch whose last dim is short still uses many slots.
-    slot = f"{coords[-1]} % {SLOTS}" if kernel_dim == 1 else f"({coords[-1]} + 33 * ({coords[-2]} % {SLOTS})) % {SLOTS}"
-    prologue = [f"{', '.join(coords)} = {_batched.BATCH_PREFIX}wp.tid()", f"{_PREFIX}slot = {slot}"]
+    slots = f"{_PREFIX}slots"
+    slot = f"{coords[-1]} % {slots}" if kernel_dim == 1 else f"({coords[-1]} + 33 * ({coords[-2]} % {slots})) % {slots}"
+    prologue = [f"{', '.join(coords)} = {_batched.BATCH_PREFIX}wp.tid()", f"{slots} = {spread_name(names[0])}.shape[0]",
+                f"{_PREFIX}slot = {slot}"]
     body = [_SpreadReads(names).visit(stmt) for stmt in fn.body]
     name = f"{fn.name}{_SUFFIX}"
     source = "\n".join([f"def {name}({', '.join(annotations)}):", *("    " + line for line in prologue),
@@ -172,4 +183,4 @@ def _spread_kernel(kernel, names: tuple[str, ...], n_pure: int):
                                         kind="warpnn_spread")
 
 
-__all__ = ["MAX_ELEMENTS", "MIN_THREADS", "SLOTS", "override", "pays", "spread_copies", "spread_inputs", "spread_name", "with_spread"]
+__all__ = ["MAX_ELEMENTS", "MIN_THREADS", "SLOTS", "THREADS_PER_SLOT", "override", "pays", "slots_for", "spread_copies", "spread_inputs", "spread_name", "with_spread"]

@@ -1,0 +1,60 @@
+"""How many copies a spread adjoint needs (``warpnn._spread``): the heat stencil's backward scan on a GPU.
+
+``python -m benchmarks.profile_spread --sizes 256,1024 --slots 32,256,1024,4096,16384``: a scan of the stencil
+step's VJP (``benchmarks.heat.backward_scan``: every step adds ``alpha``'s adjoint from every thread) with the
+adjoint spread over each number of copies, with Warp's own adjoint (one address) and in pure JAX, in alternating
+rounds in one process; ms per scan. Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from warpnn import _spread
+
+from .common import environment, fmt_ratio, time_interleaved
+from .heat import _jax_step, _warp_step, backward_scan
+
+
+def _compiled(fn, args, slots: int | None):
+    """``fn`` compiled with its adjoints spread over ``slots`` copies (None: not spread)."""
+    before = _spread.SLOTS, _spread.THREADS_PER_SLOT
+    _spread.SLOTS, _spread.THREADS_PER_SLOT = (slots or 32), 1  # the count is read while tracing
+    try:
+        with _spread.override(slots is not None):
+            return jax.jit(fn).lower(*args).compile()
+    finally:
+        _spread.SLOTS, _spread.THREADS_PER_SLOT = before
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="256,1024")
+    parser.add_argument("--slots", default="32,256,1024,4096,16384")
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args(argv)
+    slot_counts = [int(s) for s in args.slots.split(",")]
+    print(f"Environment: {environment()}\n")
+    labels = [*(f"{s} copies" for s in slot_counts), "not spread", "pure JAX"]
+    print("| size | " + " | ".join(f"{label} (ms)" for label in labels) + " | best / pure JAX |")
+    print("|---|" + "---|" * (len(labels) + 1))
+    for n in (int(s) for s in args.sizes.split(",")):
+        u = jax.random.normal(jax.random.PRNGKey(n), (n, n))
+        call = (u, jnp.array([0.5]), jax.random.normal(jax.random.PRNGKey(1), (n, n)))
+        ours = backward_scan(_warp_step, args.steps)
+        cases = {f"{s} copies": (_compiled(ours, call, s), call) for s in slot_counts}
+        cases["not spread"] = (_compiled(ours, call, None), call)
+        cases["pure JAX"] = (jax.jit(backward_scan(_jax_step, args.steps)).lower(*call).compile(), call)
+        times = time_interleaved(cases, rounds=8, per_round=3)
+        best = min(times[f"{s} copies"] for s in slot_counts)
+        print(f"| {n}² | " + " | ".join(f"{times[label] * 1e3:.2f}" for label in labels)
+              + f" | {fmt_ratio(best, times['pure JAX'])} |", flush=True)
+        print(f"{n}^2 done", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
