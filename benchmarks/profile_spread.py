@@ -26,6 +26,7 @@ def _compiled(fn, args, slots: int | None):
     _spread.SLOTS, _spread.THREADS_PER_SLOT = (slots or 32), 1  # the count is read while tracing
     try:
         with _spread.override(slots is not None):
+            jax.clear_caches()  # JAX reuses a function's trace: each count must be traced anew
             return jax.jit(fn).lower(*args).compile()
     finally:
         _spread.SLOTS, _spread.THREADS_PER_SLOT = before
