@@ -142,10 +142,11 @@ def test_a_big_gpu_launch_spreads_by_default():
 
 
 def test_the_copies_are_a_power_of_two_per_launch_size_and_any_count_gives_the_same_gradient():
+    per = _spread.THREADS_PER_SLOT
     assert _spread.slots_for((1,)) == 32
-    assert _spread.slots_for((1024, 1024)) == _spread.SLOTS
-    assert _spread.slots_for((100, 100)) == 32  # 10,000 // 256 = 39 -> 32
-    assert _spread.slots_for((256, 256)) == 256
+    assert _spread.slots_for((1 << 30,)) == _spread.SLOTS
+    assert _spread.slots_for((100 * per,)) == 64  # a power of two, rounded down
+    assert _spread.slots_for((16, 32 * per)) == 512
     f = warpnn.jax_kernel(heat_step)
     u, alpha, w = _heat_case(24, 20)
     grad = jax.grad(lambda a: jnp.vdot(w, f(u, a, 0.2)[0]))

@@ -26,8 +26,12 @@ import warp as wp
 from . import _batched
 from ._signature import KernelSignature, signature_of
 
-SLOTS = 1024  # copies of a spread parameter (at most): its adds per address drop by this much
-THREADS_PER_SLOT = 256  # fewer slots for smaller launches (a smaller buffer to zero and sum)
+# Copies of a spread parameter: one per THREADS_PER_SLOT threads, at most SLOTS. Measured on an H200
+# (python -m benchmarks.profile_spread, docs/benchmarks-speed-gpu.md): the heat stencil's backward scan was fastest
+# with 4096 copies from 512² (262,144 threads) up; 1024 copies cost 1.30 against 1.23 ms at 512², 2.20 against
+# 1.91 at 1024²; fewer copies than threads / 64 left the adds queueing, more gained nothing.
+SLOTS = 4096
+THREADS_PER_SLOT = 64
 MIN_THREADS = 1 << 14  # launches smaller than this keep Warp's adjoint as it is (few adds, one more buffer)
 MAX_ELEMENTS = 64  # elements of a parameter that is spread (each slot holds a whole copy)
 _PREFIX = "wnspread_"
