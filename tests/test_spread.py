@@ -28,6 +28,15 @@ def shared_params_ref(x, g, m, w):
     return m[1, 0] * x + m[0, 1] * g[0] + w[:, None] * g[k]
 
 
+@wp.kernel
+def scaled_sine(x: wp.array(dtype=float), a: wp.array(dtype=float), y: wp.array(dtype=float),
+                z: wp.array(dtype=float)):
+    # an elementwise pair x -> y (its adjoint computed in place) and an output z a loss may leave unused (pruned)
+    i = wp.tid()
+    y[i] = a[0] * x[i] + wp.sin(x[i])
+    z[i] = a[1] * wp.sqrt(x[i])
+
+
 @wp.func
 def scaled(a: wp.array(dtype=float), v: float):
     return a[0] * v
@@ -68,6 +77,7 @@ def test_the_spread_inputs_are_small_float_arrays_read_at_constant_indices():
     shapes = {n: (8,) for n in ("x", "stored", "added", "via_func", "computed")}
     assert _spread.spread_inputs(sig, shapes) == ()  # stored, atomically added, passed to a func, computed index
     assert _spread.spread_inputs(signature_of(heat_step, 1), {"u": (8, 8), "alpha": (1,)}) == ("alpha",)
+    assert _spread.spread_inputs(signature_of(scaled_sine, 2), {"x": (8,), "a": (2,)}) == ("a",)
 
 
 def test_spreading_is_for_big_gpu_launches_unless_overridden():
@@ -155,3 +165,19 @@ def test_the_copies_are_a_power_of_two_per_launch_size_and_any_count_gives_the_s
         with _spread.override(True), pytest.MonkeyPatch.context() as patch:
             patch.setattr(_spread, "slots_for", lambda dims, slots=slots: slots)
             assert_close(jax.jit(lambda a: grad(a))(alpha), expected, 1e-5, 1e-4)  # a new function: traced again
+
+
+def test_spreading_composes_with_adjoints_in_place_and_pruned_outputs():
+    f = warpnn.jax_kernel(scaled_sine, num_outputs=2)
+    x = jax.random.uniform(jax.random.PRNGKey(3), (300,), minval=0.0, maxval=2.0).at[0].set(0.0)  # sqrt'(0) = inf
+    a = jnp.array([0.7, -0.2])
+    w = jax.random.normal(jax.random.PRNGKey(4), (300,))
+
+    def rollout(step, x, a):  # y carried (its adjoint in place on the CPU), z unused (its 0 * inf pruned)
+        return jnp.vdot(w, jax.lax.scan(lambda c, _: (step(c, a), None), x, None, length=4)[0])
+
+    ours = lambda x, a: rollout(lambda c, a: f(c, a)[0], x, a)  # noqa: E731
+    ref = lambda x, a: rollout(lambda c, a: a[0] * c + jnp.sin(c), x, a)  # noqa: E731
+    got = _grads(ours, (x, a), (0, 1), True)
+    for ours_grad, expected in zip(got, jax.grad(ref, (0, 1))(x, a)):
+        assert_close(ours_grad, expected, 1e-5, 1e-5)
