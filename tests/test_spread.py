@@ -120,6 +120,13 @@ def test_spread_and_direct_reads_of_one_parameter_add_up():
     ref = jax.grad(lambda *a: jnp.vdot(ct, shared_params_ref(*a)), (0, 1, 2, 3))(*args)
     for ours, expected in zip(spread, ref):
         assert_close(ours, expected, 1e-5, 1e-5)
+    # g not differentiated: a second twin (m only), in a module of its own; the first still runs after it
+    only_m = _grads(loss, args, (0, 2), True)
+    for ours, expected in zip(only_m, (ref[0], ref[2])):
+        assert_close(ours, expected, 1e-5, 1e-5)
+    again = _grads(lambda *a: 2.0 * loss(*a), args, (0, 1, 2, 3), True)
+    for ours, expected in zip(again, ref):
+        assert_close(ours, 2.0 * expected, 1e-5, 1e-5)
 
 
 def test_a_spread_adjoint_under_vmap_and_scan():

@@ -185,8 +185,10 @@ def _spread_kernel(kernel, names: tuple[str, ...], n_pure: int):
     name = f"{fn.name}{_SUFFIX}"
     source = "\n".join([f"def {name}({', '.join(annotations)}):", *("    " + line for line in prologue),
                         *("    " + line for line in ast.unparse(ast.Module(body=body, type_ignores=[])).splitlines())])
-    return _batched._kernel_from_source(kernel, source + "\n", name, annotations, key=f"{kernel.key}{_SUFFIX}",
-                                        kind="warpnn_spread")
+    # One module per set of names: a second kernel added to a loaded module would rebuild it and unload the first.
+    return _batched._kernel_from_source(kernel, source + "\n", name, annotations,
+                                        key=f"{kernel.key}{_SUFFIX}_{'_'.join(names)}",
+                                        kind=f"warpnn_spread.{'.'.join(names)}")
 
 
 __all__ = ["MAX_ELEMENTS", "MIN_THREADS", "SLOTS", "THREADS_PER_SLOT", "override", "pays", "slots_for", "spread_copies", "spread_inputs", "spread_name", "with_spread"]
