@@ -164,13 +164,15 @@ def test_the_copies_are_a_power_of_two_per_launch_size_and_any_count_gives_the_s
     assert _spread.slots_for((1 << 30,)) == _spread.SLOTS
     assert _spread.slots_for((100 * per,)) == 64  # a power of two, rounded down
     assert _spread.slots_for((16, 32 * per)) == 512
+    assert _spread.slots_for((1 << 20,), 64) == (1 << 20) // 1024  # at most one copied element per 16 threads
+    assert _spread.slots_for((1 << 16,), 4) == (1 << 16) // per
     f = warpnn.jax_kernel(heat_step)
     u, alpha, w = _heat_case(24, 20)
     grad = jax.grad(lambda a: jnp.vdot(w, f(u, a, 0.2)[0]))
     expected = jax.grad(lambda a: jnp.vdot(w, heat_step_ref(u, a, 0.2)))(alpha)
     for slots in (1, 7, 4096):  # the twin reads the count from its operand
         with _spread.override(True), pytest.MonkeyPatch.context() as patch:
-            patch.setattr(_spread, "slots_for", lambda dims, slots=slots: slots)
+            patch.setattr(_spread, "slots_for", lambda dims, elements, slots=slots: slots)
             assert_close(jax.jit(lambda a: grad(a))(alpha), expected, 1e-5, 1e-4)  # a new function: traced again
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -821,7 +822,7 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         by_input = dict(zip((s.name for s in sig.array_inputs), arrays))
         plan = dataclasses.replace(plan, sig=_spread.with_spread(sig, spread))
         sig = plan.sig
-        slots = _spread.slots_for(plan.launch_dims)
+        slots = _spread.slots_for(plan.launch_dims, sum(math.prod(by_input[n].shape) for n in spread))
         arrays = (*arrays, *(_spread.spread_copies(by_input[n], slots) for n in spread))
     unused = frozenset(s.name for s in sig.outputs if s.is_float and isinstance(cts[s.name], SymbolicZero))
     if unused and type(sig) is not KernelSignature:

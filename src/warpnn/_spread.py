@@ -94,10 +94,13 @@ def with_spread(sig: KernelSignature, names: tuple[str, ...]) -> KernelSignature
     return twin_sig.variant(constant_inputs=sig.constant_inputs, null_inputs=sig.null_inputs)
 
 
-def slots_for(launch_dims: tuple[int, ...]) -> int:
-    """Copies for a launch over ``launch_dims``: a power of two, one per :data:`THREADS_PER_SLOT` threads, 32 to
-    :data:`SLOTS` (the twin reads the count from its operand's shape, so one build serves every count)."""
-    wanted = max(1, math.prod(launch_dims) // THREADS_PER_SLOT)
+def slots_for(launch_dims: tuple[int, ...], elements: int = 1) -> int:
+    """Copies for a launch over ``launch_dims`` of spread inputs of ``elements`` elements in all: a power of two, one
+    per :data:`THREADS_PER_SLOT` threads, 32 to :data:`SLOTS` (the twin reads the count from its operand's shape, so
+    one build serves every count). The copies of all inputs hold at most one element per 16 threads (beyond the
+    32 copies every launch gets): the memory stays a small fraction of the launch's own, also under ``vmap``, where
+    every batch element gets copies of its own."""
+    wanted = max(1, math.prod(launch_dims) // max(THREADS_PER_SLOT, 16 * elements))
     return max(32, min(SLOTS, 1 << (wanted.bit_length() - 1)))
 
 
