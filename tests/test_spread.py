@@ -80,7 +80,8 @@ def test_the_spread_inputs_are_small_float_arrays_read_at_constant_indices():
     assert _spread.spread_inputs(signature_of(scaled_sine, 2), {"x": (8,), "a": (2,)}) == ("a",)
 
 
-def test_spreading_is_for_big_gpu_launches_unless_overridden():
+def test_spreading_is_for_big_gpu_launches_unless_overridden(monkeypatch):
+    monkeypatch.delenv(_spread.SPREAD_ENV, raising=False)
     big = (_spread.MIN_THREADS,)
     assert _spread.pays(big) == (jax.default_backend() != "cpu")
     assert not _spread.pays((_spread.MIN_THREADS - 1,))
@@ -90,6 +91,15 @@ def test_spreading_is_for_big_gpu_launches_unless_overridden():
             assert not _spread.pays(big)
         assert _spread.pays((1,))
     assert _spread.pays(big) == (jax.default_backend() != "cpu")
+    monkeypatch.setenv(_spread.SPREAD_ENV, "1")
+    assert _spread.pays((1,))
+    monkeypatch.setenv(_spread.SPREAD_ENV, "0")
+    assert not _spread.pays(big)
+    with _spread.override(True):
+        assert _spread.pays(big)  # override first
+    monkeypatch.setenv(_spread.SPREAD_ENV, "yes")
+    with pytest.raises(ValueError, match="WARPNN_SPREAD_ADJOINTS='yes': expected 0"):
+        _spread.pays(big)
 
 
 def _grads(loss, args, argnums, spread: bool):

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,14 +41,22 @@ _PREFIX = "wnspread_"
 _SUFFIX = "__wnspread"
 
 
+SPREAD_ENV = "WARPNN_SPREAD_ADJOINTS"  # "0": never (Warp's own adjoint), "1": wherever possible, else where it pays
 _override: bool | None = None
 
 
 def pays(launch_dims: tuple[int, ...]) -> bool:
-    """Whether spreading pays for a launch over ``launch_dims``: on a GPU (a CPU thread adds in order, and the CPU's
-    row loop already keeps such an adjoint in a register: ``_batched._hoisted_reads``), for big launches."""
+    """Whether to spread for a launch over ``launch_dims``: on a GPU (a CPU thread adds in order, and the CPU's row
+    loop already keeps such an adjoint in a register: ``_batched._hoisted_reads``), for big launches; ``override``
+    and then ``WARPNN_SPREAD_ADJOINTS`` decide first."""
     if _override is not None:
         return _override
+    setting = os.environ.get(SPREAD_ENV, "").strip()
+    if setting in ("0", "1"):
+        return setting == "1"
+    if setting:
+        raise ValueError(f"{SPREAD_ENV}={setting!r}: expected 0 (never spread adjoints), 1 (wherever possible) or "
+                         "unset (on a GPU, for launches of at least 1,024 threads).")
     return jax.default_backend() != "cpu" and math.prod(launch_dims) >= MIN_THREADS
 
 
@@ -194,4 +203,4 @@ def _spread_kernel(kernel, names: tuple[str, ...], n_pure: int):
                                         kind=f"warpnn_spread.{'.'.join(names)}")
 
 
-__all__ = ["MAX_ELEMENTS", "MIN_THREADS", "SLOTS", "THREADS_PER_SLOT", "override", "pays", "slots_for", "spread_copies", "spread_inputs", "spread_name", "with_spread"]
+__all__ = ["MAX_ELEMENTS", "MIN_THREADS", "SLOTS", "SPREAD_ENV", "THREADS_PER_SLOT", "override", "pays", "slots_for", "spread_copies", "spread_inputs", "spread_name", "with_spread"]
