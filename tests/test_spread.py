@@ -11,7 +11,7 @@ from warpnn import _spread
 from warpnn._signature import signature_of
 
 from .helpers import assert_close
-from .kernels_for_tests import heat_step, heat_step_ref
+from .kernels_for_tests import heat_step, heat_step_ref, two_outputs, two_outputs_ref
 
 
 @wp.kernel
@@ -35,6 +35,35 @@ def scaled_sine(x: wp.array(dtype=float), a: wp.array(dtype=float), y: wp.array(
     i = wp.tid()
     y[i] = a[0] * x[i] + wp.sin(x[i])
     z[i] = a[1] * wp.sqrt(x[i])
+
+
+@wp.kernel
+def weighted_losses(x: wp.array(dtype=float), a: wp.array(dtype=float), y: wp.array(dtype=float),
+                    loss: wp.array(dtype=float)):
+    # a spread read (a[0]) and a spread output accumulated at two constant indices
+    i = wp.tid()
+    v = a[0] * x[i]
+    y[i] = v * v
+    wp.atomic_add(loss, 0, v)
+    wp.atomic_sub(loss, 1, wp.sin(x[i]))
+
+
+def weighted_losses_ref(x, a):
+    v = a[0] * x
+    return v * v, jnp.stack([v.sum(), -jnp.sin(x).sum()])
+
+
+@wp.kernel
+def outputs_not_spread(x: wp.array(dtype=float), read: wp.array(dtype=float), stored: wp.array(dtype=float),
+                       computed: wp.array(dtype=float), returned: wp.array(dtype=float), maxed: wp.array(dtype=float),
+                       y: wp.array(dtype=float)):
+    i = wp.tid()
+    wp.atomic_add(read, 0, x[i])
+    y[i] = read[0]
+    stored[0] = x[i]
+    wp.atomic_add(computed, i % 2, x[i])
+    old = wp.atomic_add(returned, 0, x[i])
+    wp.atomic_max(maxed, 0, x[i] + old)
 
 
 @wp.func
@@ -103,6 +132,7 @@ def test_spreading_is_for_big_gpu_launches_unless_overridden(monkeypatch):
 
 
 def _grads(loss, args, argnums, spread: bool):
+    jax.clear_caches()  # the choice is made while tracing, and JAX reuses traces of the same call
     with _spread.override(spread):
         jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums))(*args))
         grads = jax.jit(jax.grad(loss, argnums))(*args)
@@ -200,3 +230,51 @@ def test_spreading_composes_with_adjoints_in_place_and_pruned_outputs():
     got = _grads(ours, (x, a), (0, 1), True)
     for ours_grad, expected in zip(got, jax.grad(ref, (0, 1))(x, a)):
         assert_close(ours_grad, expected, 1e-5, 1e-5)
+
+
+def test_the_spread_outputs_are_small_float_outputs_only_accumulated_at_constant_indices():
+    assert _spread.spread_outputs(signature_of(two_outputs, 2), {"x": (8,), "y": (8,), "total": (1,)}) == ("total",)
+    assert _spread.spread_outputs(signature_of(two_outputs, 2), {"x": (8,), "y": (8,), "total": (65,)}) == ()
+    assert _spread.spread_outputs(signature_of(weighted_losses, 2), {"x": (8,), "a": (1,), "y": (8,), "loss": (2,)}) == ("loss",)
+    names = ("read", "stored", "computed", "returned", "maxed", "y")
+    sig = signature_of(outputs_not_spread, len(names))
+    assert _spread.spread_outputs(sig, {n: (8,) for n in ("x", *names)}) == ()  # read, stored, index, result, max
+
+
+def test_spread_outputs_sum_to_pure_jax_forward_and_backward():
+    f = warpnn.jax_kernel(weighted_losses, num_outputs=2, output_dims={"y": 700, "loss": 2})
+    x = jax.random.normal(jax.random.PRNGKey(5), (700,))
+    a = jnp.array([1.3])
+    expected = weighted_losses_ref(x, a)
+    for spread in (True, False):
+        jax.clear_caches()
+        with _spread.override(spread):
+            assert ("__wnspread" in str(jax.make_jaxpr(f)(x, a))) == spread
+            for got, want in zip(jax.jit(lambda x, a: f(x, a))(x, a), expected):  # not differentiated
+                assert_close(got, want, 1e-5, 1e-4)
+    ct = jnp.array([0.7, -1.1])
+    loss = lambda x, a: jnp.vdot(ct, f(x, a)[1]) + f(x, a)[0].sum()  # noqa: E731
+    got = _grads(loss, (x, a), (0, 1), True)  # forward rule and adjoint (a spread twin each)
+    want = jax.grad(lambda x, a: jnp.vdot(ct, weighted_losses_ref(x, a)[1]) + weighted_losses_ref(x, a)[0].sum(),
+                    (0, 1))(x, a)
+    for g, w in zip(got, want):
+        assert_close(g, w, 1e-5, 1e-4)
+
+
+def test_a_spread_loss_under_vmap_and_scan():
+    f = warpnn.jax_kernel(two_outputs, num_outputs=2, output_dims={"y": 200, "total": 1})
+    xs = jax.random.normal(jax.random.PRNGKey(6), (3, 200))
+
+    def ours(x):
+        return jax.lax.scan(lambda c, _: (f(c, 0.9)[0], f(c, 0.9)[1][0]), x, None, length=3)[1].sum()
+
+    def ref(x):
+        return jax.lax.scan(lambda c, _: (two_outputs_ref(c, 0.9)[0], two_outputs_ref(c, 0.9)[1][0]), x, None,
+                            length=3)[1].sum()
+
+    with _spread.override(True):
+        assert "__wnspread" in str(jax.make_jaxpr(jax.vmap(ours))(xs))
+        values = jax.jit(jax.vmap(ours))(xs)
+        grads = jax.jit(jax.vmap(jax.grad(ours)))(xs)
+    assert_close(values, jax.vmap(ref)(xs), 1e-5, 1e-4)
+    assert_close(grads, jax.vmap(jax.grad(ref))(xs), 1e-5, 1e-4)

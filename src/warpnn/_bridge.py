@@ -726,7 +726,28 @@ class _Static:
 def _differentiable_call(plan: _CallPlan, *arrays) -> list[jax.Array]:
     # JAX calls this only where nothing differentiates the call (else the fwd rule below runs), so no input
     # is needed after it as a residual: an elementwise pair's output may overwrite its input.
-    return _ffi_call(_with_outputs_in_place(plan, arrays), False, arrays)
+    return _spread_forward(plan, arrays, lambda plan: _ffi_call(_with_outputs_in_place(plan, arrays), False, arrays))
+
+
+def _spread_forward(plan: _CallPlan, arrays, call) -> list[jax.Array]:
+    """``call(plan)``'s results, where small outputs every thread accumulates into at a constant index (a loss
+    ``wp.atomic_add(loss, 0, v)``) are accumulated into copies on a GPU and summed here (``_spread.py``): one
+    address would make a million threads' atomic adds queue. The adjoint needs nothing of the sort (Warp's adjoint
+    of an atomic add only reads the output's adjoint)."""
+    shapes = _array_shapes(plan, arrays)
+    spread = _spread.spread_outputs(plan.sig, shapes) if _spread.pays(plan.launch_dims) else ()
+    if not spread:
+        return call(plan)
+    slots = _spread.slots_for(plan.launch_dims, sum(math.prod(shapes[n]) for n in spread))
+    twin = dataclasses.replace(plan, sig=_spread.with_spread(plan.sig, outputs=spread),
+                               output_shapes=(*plan.output_shapes, *((slots, *shapes[n]) for n in spread)))
+    results = call(twin)
+    n = len(plan.sig.results)
+    gathered = list(results[:n])
+    position = {s.name: k for k, s in enumerate(plan.sig.results)}
+    for k, name in enumerate(spread):
+        gathered[position[name]] = results[n + k].sum(axis=0)
+    return gathered
 
 
 def _array_shapes(plan: _CallPlan, arrays) -> dict[str, tuple[int, ...]]:
@@ -756,7 +777,7 @@ def _with_outputs_in_place(plan: _CallPlan, arrays) -> _CallPlan:
 def _differentiable_call_fwd(plan, *primals):
     # symbolic_zeros=True: each primal says whether JAX differentiates with respect to it in this call.
     arrays = tuple(p.value for p in primals)
-    results = _first_order_only(plan, False, *arrays)
+    results = _spread_forward(plan, arrays, lambda plan: _first_order_only(plan, False, *arrays))
     # Pure outputs are not kept for the backward pass: Warp's adjoint sees a pure output's values before the
     # launch (zeros, for an output it reads) or never touches them. Integer outputs have no cotangent and
     # are kept to fill their slot. The in-out arrays' values before the launch are among `arrays`.
@@ -820,7 +841,7 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     differentiated = sig.array_inputs  # what JAX gets adjoints for (the twin has more inputs)
     if spread:
         by_input = dict(zip((s.name for s in sig.array_inputs), arrays))
-        plan = dataclasses.replace(plan, sig=_spread.with_spread(sig, spread))
+        plan = dataclasses.replace(plan, sig=_spread.with_spread(sig, inputs=spread))
         sig = plan.sig
         slots = _spread.slots_for(plan.launch_dims, sum(math.prod(by_input[n].shape) for n in spread))
         arrays = (*arrays, *(_spread.spread_copies(by_input[n], slots) for n in spread))

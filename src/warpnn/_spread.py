@@ -9,6 +9,10 @@ its million adds into ``alpha``, 63× pure JAX's (docs/benchmarks-speed-gpu.md).
 cache line), and the bridge adds the slots' adjoints into ``alpha``'s. The forward values are the same (the copies
 are exact); the gradient is the same sum in another order, which on a GPU has no fixed order anyway. Compiled from
 the kernel's source into a module of its own, like the other twins (the user's module is never touched).
+
+The forward has the same problem with a small output every thread accumulates into at a constant index (a loss
+written as ``wp.atomic_add(loss, 0, v)``): its twin adds into ``loss__wnspread[slot, 0]`` and the bridge sums the
+copies into ``loss``. Its adjoint needs no twin: Warp's adjoint of an atomic add only reads ``loss``'s adjoint.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 import warp as wp
 
 from . import _batched
-from ._signature import KernelSignature, signature_of
+from ._signature import KernelSignature, _callee_name, signature_of
 
 # Copies of a spread parameter: one per THREADS_PER_SLOT threads, at most SLOTS. Measured on an H200
 # (python -m benchmarks.profile_spread, docs/benchmarks-speed-gpu.md): the heat stencil's backward scan was fastest
@@ -92,14 +96,28 @@ def spread_inputs(sig: KernelSignature, shapes: dict[str, tuple[int, ...]]) -> t
     return tuple(n for n in candidates if n in differentiated and math.prod(shapes[n]) <= MAX_ELEMENTS)
 
 
-def with_spread(sig: KernelSignature, names: tuple[str, ...]) -> KernelSignature:
-    """The signature of ``sig``'s spread twin: its parameters, then one array per name in ``names`` before the pure
-    outputs (``spread_name``: shape ``(slots, *shape)``, ``spread_copies``), with the same constant and ``None``
-    inputs."""
+def spread_outputs(sig: KernelSignature, shapes: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
+    """The pure outputs of ``sig`` that its forward twin would spread in a call with these array ``shapes``: float
+    arrays of at most :data:`MAX_ELEMENTS` elements that the kernel only accumulates into, with
+    ``wp.atomic_add``/``wp.atomic_sub`` at constant indices, their result unused, and never reads or stores."""
+    if type(sig) is not KernelSignature:
+        return ()
+    base = sig._base
+    candidates = base.__dict__.get("_spread_output_candidates")
+    if candidates is None:
+        candidates = base.__dict__["_spread_output_candidates"] = _output_candidates(base)
+    return tuple(n for n in candidates if math.prod(shapes[n]) <= MAX_ELEMENTS)
+
+
+def with_spread(sig: KernelSignature, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> KernelSignature:
+    """The signature of ``sig``'s spread twin: its parameters with one array per name in ``inputs`` before the pure
+    outputs and one per name in ``outputs`` after them (``spread_name``: shape ``(slots, *shape)``; the inputs'
+    hold ``spread_copies``, the outputs' are summed over the slots by the caller), with the same constant and
+    ``None`` inputs."""
     n_pure = len(sig.outputs)
-    twin = _spread_kernel(sig.kernel, names, n_pure)
-    twin_sig = signature_of(twin, num_outputs=n_pure + len(sig.in_out_names), in_out_argnames=sig.in_out_names,
-                            block_dim=sig.block_dim)
+    twin = _spread_kernel(sig.kernel, inputs, outputs, n_pure)
+    twin_sig = signature_of(twin, num_outputs=n_pure + len(outputs) + len(sig.in_out_names),
+                            in_out_argnames=sig.in_out_names, block_dim=sig.block_dim)
     return twin_sig.variant(constant_inputs=sig.constant_inputs, null_inputs=sig.null_inputs)
 
 
@@ -126,18 +144,27 @@ def _kernel_body(kernel) -> ast.FunctionDef | None:
     return fn if isinstance(fn, ast.FunctionDef) else None
 
 
-def _candidates(sig: KernelSignature) -> tuple[str, ...]:
+def _eligible_body(sig: KernelSignature) -> ast.FunctionDef | None:
+    """The kernel's function definition, if a spread twin can be built from it."""
     kernel = sig.kernel
     fn = _kernel_body(kernel)
     options = {**kernel.module.options, **kernel.options}
     if (fn is None or kernel.is_generic or options.get("block_dim", 1) not in (1, 256)
             or kernel.options.get("block_dim") is not None
             or any(isinstance(n, ast.Name) and n.id.startswith(_PREFIX) for n in ast.walk(fn))):
-        return ()  # tiles and cooperative blocks (wp.tid() means something else there), or names the twin needs
+        return None  # tiles and cooperative blocks (wp.tid() means something else there), or names the twin needs
     try:
         _batched._check_no_block_builtins(fn)
     except _batched._Refused:
+        return None
+    return fn
+
+
+def _candidates(sig: KernelSignature) -> tuple[str, ...]:
+    fn = _eligible_body(sig)
+    if fn is None:
         return ()
+    kernel = sig.kernel
     ndims = {a.name: a.warp_ndim for a in (*sig.inputs, *sig.outputs) if a.is_array and "." not in a.name}
     read_only = _batched._read_only_arrays(fn.body, ndims)
     constant_reads = {node.value.id for node in ast.walk(fn)
@@ -152,6 +179,58 @@ def _candidates(sig: KernelSignature) -> tuple[str, ...]:
         and spread_name(s.name) not in params
         and (use := sig.uses.get(s.name)) is not None and use.undecided is None and not use.viewed
         and all(a.kind == "read" and a.via is None for a in use.accesses))
+
+
+def _constant_accumulation(node: ast.AST, ndims: dict[str, int]) -> str | None:
+    """The array ``name`` of a ``wp.atomic_add(name, 0, v)`` / ``atomic_sub`` call at constant indices (one per
+    dim), else None."""
+    if not (isinstance(node, ast.Call) and _callee_name(node.func) in ("atomic_add", "atomic_sub") and node.args
+            and isinstance(node.args[0], ast.Name) and node.args[0].id in ndims and not node.keywords):
+        return None
+    name = node.args[0].id
+    index = node.args[1:-1]
+    if len(index) != ndims[name] or not all(isinstance(i, ast.Constant) and type(i.value) is int and i.value >= 0
+                                            for i in index):
+        return None
+    return name
+
+
+def _output_candidates(sig: KernelSignature) -> tuple[str, ...]:
+    fn = _eligible_body(sig)
+    if fn is None:
+        return ()
+    ndims = {a.name: a.warp_ndim for a in sig.outputs if a.is_array and "." not in a.name}
+    # every mention of the array: the first argument of an unused atomic add at constant indices
+    allowed: set[int] = set()
+    accumulated: set[str] = set()
+    for stmt in ast.walk(fn):
+        if isinstance(stmt, ast.Expr) and (name := _constant_accumulation(stmt.value, ndims)) is not None:
+            allowed.add(id(stmt.value.args[0]))  # type: ignore[attr-defined]
+            accumulated.add(name)
+    mentioned_otherwise = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id in ndims and id(n) not in allowed}
+    params = {p.label for p in sig.kernel.adj.args}
+    return tuple(
+        s.name for s in sig.outputs
+        if s.name in accumulated and s.name not in mentioned_otherwise and s.is_float and s.warp_ndim < _batched._MAX_DIMS
+        and spread_name(s.name) not in params
+        and (use := sig.uses.get(s.name)) is not None and use.undecided is None and not use.viewed
+        and all(a.kind == "accumulate" and a.via is None for a in use.accesses))
+
+
+class _SpreadAccumulations(ast.NodeTransformer):
+    """``wp.atomic_add(loss, 0, v)`` -> ``wp.atomic_add(loss__wnspread, wnspread_slot, 0, v)`` for ``names``."""
+
+    def __init__(self, names: tuple[str, ...], ndims: dict[str, int]):
+        self.names = names
+        self.ndims = ndims
+
+    def visit_Call(self, node: ast.Call):
+        name = _constant_accumulation(node, self.ndims)
+        if name in self.names:
+            node.args = [ast.Name(id=spread_name(name), ctx=ast.Load()), ast.Name(id=f"{_PREFIX}slot", ctx=ast.Load()),
+                         *node.args[1:]]
+            return node
+        return self.generic_visit(node)
 
 
 class _SpreadReads(ast.NodeTransformer):
@@ -170,7 +249,7 @@ class _SpreadReads(ast.NodeTransformer):
 
 
 @functools.cache
-def _spread_kernel(kernel, names: tuple[str, ...], n_pure: int):
+def _spread_kernel(kernel, names: tuple[str, ...], outputs: tuple[str, ...], n_pure: int):
     adj = kernel.adj
     body_of = _kernel_body(kernel)
     assert body_of is not None  # (spread_inputs found none without one)
@@ -183,24 +262,27 @@ def _spread_kernel(kernel, names: tuple[str, ...], n_pure: int):
     arg_types = dict(adj.arg_types)
     arg_types.pop("return", None)
     params = list(arg_types)
-    spread = {spread_name(n): _batched._array_type(arg_types[n], 1) for n in names}
-    annotations = {**{n: arg_types[n] for n in params[: len(params) - n_pure]}, **spread,
-                   **{n: arg_types[n] for n in params[len(params) - n_pure:]}}
+    annotations = {**{n: arg_types[n] for n in params[: len(params) - n_pure]},
+                   **{spread_name(n): _batched._array_type(arg_types[n], 1) for n in names},
+                   **{n: arg_types[n] for n in params[len(params) - n_pure:]},
+                   **{spread_name(n): _batched._array_type(arg_types[n], 1) for n in outputs}}
     coords = [f"{_PREFIX}t{k}" for k in range(kernel_dim)]
     # Threads next to each other in the last launch dim (one warp) take slots next to each other; the dim before
     # it moves the pattern, so that a launch whose last dim is short still uses many slots.
     slots = f"{_PREFIX}slots"
     slot = f"{coords[-1]} % {slots}" if kernel_dim == 1 else f"({coords[-1]} + 33 * ({coords[-2]} % {slots})) % {slots}"
-    prologue = [f"{', '.join(coords)} = {_batched.BATCH_PREFIX}wp.tid()", f"{slots} = {spread_name(names[0])}.shape[0]",
-                f"{_PREFIX}slot = {slot}"]
-    body = [_SpreadReads(names).visit(stmt) for stmt in fn.body]
+    prologue = [f"{', '.join(coords)} = {_batched.BATCH_PREFIX}wp.tid()",
+                f"{slots} = {spread_name((*names, *outputs)[0])}.shape[0]", f"{_PREFIX}slot = {slot}"]
+    ndims = {n: arg_types[n].ndim for n in outputs}
+    body = [_SpreadAccumulations(outputs, ndims).visit(_SpreadReads(names).visit(stmt)) for stmt in fn.body]
     name = f"{fn.name}{_SUFFIX}"
     source = "\n".join([f"def {name}({', '.join(annotations)}):", *("    " + line for line in prologue),
                         *("    " + line for line in ast.unparse(ast.Module(body=body, type_ignores=[])).splitlines())])
     # One module per set of names: a second kernel added to a loaded module would rebuild it and unload the first.
+    tag = ".".join((*names, *(f"out.{n}" for n in outputs)))
     return _batched._kernel_from_source(kernel, source + "\n", name, annotations,
-                                        key=f"{kernel.key}{_SUFFIX}_{'_'.join(names)}",
-                                        kind=f"warpnn_spread.{'.'.join(names)}")
+                                        key=f"{kernel.key}{_SUFFIX}_{tag.replace('.', '_')}",
+                                        kind=f"warpnn_spread.{tag}")
 
 
-__all__ = ["MAX_ELEMENTS", "MIN_THREADS", "SLOTS", "SPREAD_ENV", "THREADS_PER_SLOT", "override", "pays", "slots_for", "spread_copies", "spread_inputs", "spread_name", "with_spread"]
+__all__ = ["MAX_ELEMENTS", "MIN_THREADS", "SLOTS", "SPREAD_ENV", "THREADS_PER_SLOT", "override", "pays", "slots_for", "spread_copies", "spread_inputs", "spread_name", "spread_outputs", "with_spread"]
