@@ -127,7 +127,7 @@ def test_spreading_is_for_big_gpu_launches_unless_overridden(monkeypatch):
     with _spread.override(True):
         assert _spread.pays(big)  # override first
     monkeypatch.setenv(_spread.SPREAD_ENV, "yes")
-    with pytest.raises(ValueError, match="WARPNN_SPREAD_ADJOINTS='yes': expected 0"):
+    with pytest.raises(ValueError, match="WARPNN_SPREAD='yes': expected 0"):
         _spread.pays(big)
 
 

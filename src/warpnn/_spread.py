@@ -45,29 +45,30 @@ _PREFIX = "wnspread_"
 _SUFFIX = "__wnspread"
 
 
-SPREAD_ENV = "WARPNN_SPREAD_ADJOINTS"  # "0": never (Warp's own adjoint), "1": wherever possible, else where it pays
+SPREAD_ENV = "WARPNN_SPREAD"  # "0": never (Warp's own code), "1": wherever possible; unset: where it pays
 _override: bool | None = None
 
 
 def pays(launch_dims: tuple[int, ...]) -> bool:
     """Whether to spread for a launch over ``launch_dims``: on a GPU (a CPU thread adds in order, and the CPU's row
     loop already keeps such an adjoint in a register: ``_batched._hoisted_reads``), for big launches; ``override``
-    and then ``WARPNN_SPREAD_ADJOINTS`` decide first."""
+    and then ``WARPNN_SPREAD`` decide first."""
     if _override is not None:
         return _override
     setting = os.environ.get(SPREAD_ENV, "").strip()
     if setting in ("0", "1"):
         return setting == "1"
     if setting:
-        raise ValueError(f"{SPREAD_ENV}={setting!r}: expected 0 (never spread adjoints), 1 (wherever possible) or "
+        raise ValueError(f"{SPREAD_ENV}={setting!r}: expected 0 (never spread), 1 (wherever possible) or "
                          "unset (on a GPU, for launches of at least 1,024 threads).")
     return jax.default_backend() != "cpu" and math.prod(launch_dims) >= MIN_THREADS
 
 
 @contextlib.contextmanager
 def override(spread: bool | None):
-    """Within this block, adjoints traced are spread wherever possible (True), never (False), or where it pays
-    (None): for tests on the CPU, and for benchmarks against Warp's own adjoint. The choice is made while tracing."""
+    """Within this block, calls traced are spread wherever possible (True), never (False), or where it pays (None):
+    for tests on the CPU, and for benchmarks against Warp's own code. The choice is made while tracing (JAX reuses
+    a traced call: ``jax.clear_caches()`` between choices)."""
     global _override
     before, _override = _override, spread
     try:
@@ -88,10 +89,7 @@ def spread_inputs(sig: KernelSignature, shapes: dict[str, tuple[int, ...]]) -> t
     conservatively in the source; () where the twin cannot be built."""
     if type(sig) is not KernelSignature:
         return ()  # (checked mode's signatures keep their own kernel)
-    base = sig._base
-    candidates = base.__dict__.get("_spread_candidates")
-    if candidates is None:
-        candidates = base.__dict__["_spread_candidates"] = _candidates(base)
+    candidates = _found_once(sig, _candidates)
     differentiated = {s.name for s in sig.adjoint_inputs}
     return tuple(n for n in candidates if n in differentiated and math.prod(shapes[n]) <= MAX_ELEMENTS)
 
@@ -102,11 +100,16 @@ def spread_outputs(sig: KernelSignature, shapes: dict[str, tuple[int, ...]]) -> 
     ``wp.atomic_add``/``wp.atomic_sub`` at constant indices, their result unused, and never reads or stores."""
     if type(sig) is not KernelSignature:
         return ()
+    return tuple(n for n in _found_once(sig, _output_candidates) if math.prod(shapes[n]) <= MAX_ELEMENTS)
+
+
+def _found_once(sig: KernelSignature, find) -> tuple[str, ...]:
+    """``find(base)`` for ``sig``'s base signature, computed once per base (its variants share the source)."""
     base = sig._base
-    candidates = base.__dict__.get("_spread_output_candidates")
-    if candidates is None:
-        candidates = base.__dict__["_spread_output_candidates"] = _output_candidates(base)
-    return tuple(n for n in candidates if math.prod(shapes[n]) <= MAX_ELEMENTS)
+    found = base.__dict__.setdefault("_spread_found", {})
+    if find not in found:
+        found[find] = find(base)
+    return found[find]
 
 
 def with_spread(sig: KernelSignature, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> KernelSignature:
