@@ -167,21 +167,24 @@ def _candidates(sig: KernelSignature) -> tuple[str, ...]:
     fn = _eligible_body(sig)
     if fn is None:
         return ()
-    kernel = sig.kernel
     ndims = {a.name: a.warp_ndim for a in (*sig.inputs, *sig.outputs) if a.is_array and "." not in a.name}
     read_only = _batched._read_only_arrays(fn.body, ndims)
     constant_reads = {node.value.id for node in ast.walk(fn)
                       if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
                       and isinstance(node.ctx, ast.Load) and node.value.id in ndims
                       and len(_batched._constant_index(node) or ()) == ndims[node.value.id]}
-    params = {p.label for p in kernel.adj.args}
-    return tuple(
-        s.name for s in sig.inputs
-        if s.is_array and s.is_float and s.name in ndims and s.name not in sig.in_out_names
-        and s.name in read_only and s.name in constant_reads and s.warp_ndim < _batched._MAX_DIMS
-        and spread_name(s.name) not in params
-        and (use := sig.uses.get(s.name)) is not None and use.undecided is None and not use.viewed
-        and all(a.kind == "read" and a.via is None for a in use.accesses))
+    return tuple(s.name for s in sig.inputs
+                 if s.is_array and s.is_float and s.name in ndims and s.name not in sig.in_out_names
+                 and s.name in read_only and s.name in constant_reads and _copyable(sig, s, "read"))
+
+
+def _copyable(sig: KernelSignature, spec, kind: str) -> bool:
+    """Whether the twin can give array ``spec`` a dim of copies, and the uses analysis (which also follows calls
+    into @wp.funcs) agrees that every access of it is a ``kind`` in the kernel's own body."""
+    use = sig.uses.get(spec.name)
+    return (spec.warp_ndim < _batched._MAX_DIMS and spread_name(spec.name) not in {p.label for p in sig.kernel.adj.args}
+            and use is not None and use.undecided is None and not use.viewed
+            and all(a.kind == kind and a.via is None for a in use.accesses))
 
 
 def _constant_accumulation(node: ast.AST, ndims: dict[str, int]) -> str | None:
@@ -211,13 +214,9 @@ def _output_candidates(sig: KernelSignature) -> tuple[str, ...]:
             allowed.add(id(stmt.value.args[0]))  # type: ignore[attr-defined]
             accumulated.add(name)
     mentioned_otherwise = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id in ndims and id(n) not in allowed}
-    params = {p.label for p in sig.kernel.adj.args}
-    return tuple(
-        s.name for s in sig.outputs
-        if s.name in accumulated and s.name not in mentioned_otherwise and s.is_float and s.warp_ndim < _batched._MAX_DIMS
-        and spread_name(s.name) not in params
-        and (use := sig.uses.get(s.name)) is not None and use.undecided is None and not use.viewed
-        and all(a.kind == "accumulate" and a.via is None for a in use.accesses))
+    return tuple(s.name for s in sig.outputs
+                 if s.name in accumulated and s.name not in mentioned_otherwise and s.is_float
+                 and _copyable(sig, s, "accumulate"))
 
 
 class _SpreadAccumulations(ast.NodeTransformer):
