@@ -643,6 +643,50 @@ def test_the_row_loop_reads_a_read_only_array_at_a_constant_index_once_per_row()
     assert hoisted(masked_square_sum) == []
 
 
+@wp.kernel
+def loops_over_its_own_range(x: wp.array2d(dtype=float), w: wp.array(dtype=float), y: wp.array2d(dtype=float)):
+    # a dynamic loop whose range depends on the last coordinate, which the row twin turns into its own loop
+    i, j = wp.tid()
+    for k in range(j):
+        wp.atomic_add(y, i, j, w[k] * x[i, j] * x[i, j])
+
+
+@wp.kernel
+def stores_in_a_stepped_loop(x: wp.array2d(dtype=float), a: wp.array(dtype=float), y: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    s = a[0]
+    for p in range(j % 3, 3, 3):  # one iteration for every j
+        y[i, j] = s * x[i, j] * x[i, j]
+
+
+@pytest.mark.parametrize("case", ["triangle", "stepped"])
+def test_a_row_loop_around_the_kernels_own_dynamic_loop_has_warps_gradients(case):
+    """The row twin nests the kernel's own loops in its loop over the last dim: values and gradients against pure
+    JAX and Warp's tape on the kernel itself."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (6, 7))
+    ct = jax.random.normal(jax.random.PRNGKey(1), (6, 7))
+    if case == "triangle":
+        kernel, p = loops_over_its_own_range, jnp.arange(1.0, 8.0)
+        ref = lambda x, w: jnp.concatenate([jnp.zeros(1), jnp.cumsum(w)])[:7][None, :] * x * x  # noqa: E731
+    else:
+        kernel, p = stores_in_a_stepped_loop, jnp.array([2.0])
+        ref = lambda x, a: a[0] * x * x  # noqa: E731
+    assert _batched.twin_of(kernel, False).inner_loop
+    f = warpnn.jax_kernel(kernel)
+    assert_close(f(x, p)[0], ref(x, p), 1e-5, 1e-5)
+    got = jax.grad(lambda x, p: jnp.vdot(ct, f(x, p)[0]), (0, 1))(x, p)
+    want = jax.grad(lambda x, p: jnp.vdot(ct, ref(x, p)), (0, 1))(x, p)
+    xa, pa = wp.array(np.asarray(x), requires_grad=True), wp.array(np.asarray(p), requires_grad=True)
+    ya = wp.zeros((6, 7), dtype=float, requires_grad=True)
+    tape = wp.Tape()
+    with tape:
+        wp.launch(kernel, dim=(6, 7), inputs=[xa, pa, ya])
+    tape.backward(grads={ya: wp.array(np.asarray(ct))})
+    for ours, expected, warps in zip(got, want, (xa.grad.numpy(), pa.grad.numpy())):
+        assert_close(ours, expected, 1e-5, 1e-4)
+        assert_close(ours, warps, 1e-5, 1e-4)
+
+
 def test_row_loop_needs_every_return_outside_loops():
     twin = _batched.twin_of(returns_in_a_loop, False)
     assert isinstance(twin, _batched.Twin) and not twin.inner_loop  # the plain row twin (thread slices) remains
