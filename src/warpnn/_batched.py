@@ -267,7 +267,11 @@ def _subscript_indices(node: ast.Subscript) -> list[ast.expr]:
 
 def _constant_index(node: ast.Subscript) -> tuple[int, ...] | None:
     """The indices of ``x[1]`` / ``x[0, 2]`` when all are non-negative int literals, else None."""
-    index = _subscript_indices(node)
+    return _constant_indices(_subscript_indices(node))
+
+
+def _constant_indices(index: list[ast.expr]) -> tuple[int, ...] | None:
+    """``index`` as ints when every expression is a non-negative int literal, else None."""
     if all(isinstance(i, ast.Constant) and type(i.value) is int and i.value >= 0 for i in index):
         return tuple(i.value for i in index)  # type: ignore[attr-defined]
     return None

@@ -195,8 +195,7 @@ def _constant_accumulation(node: ast.AST, ndims: dict[str, int]) -> str | None:
         return None
     name = node.args[0].id
     index = node.args[1:-1]
-    if len(index) != ndims[name] or not all(isinstance(i, ast.Constant) and type(i.value) is int and i.value >= 0
-                                            for i in index):
+    if len(index) != ndims[name] or _batched._constant_indices(index) is None:
         return None
     return name
 
