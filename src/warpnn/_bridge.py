@@ -756,7 +756,7 @@ def _array_shapes(plan: _CallPlan, arrays) -> dict[str, tuple[int, ...]]:
             **dict(zip(plan.sig.output_names, plan.output_shapes))}
 
 
-def _with_outputs_in_place(plan: _CallPlan, arrays) -> _CallPlan:
+def _with_outputs_in_place(plan: _CallPlan, arrays, *, differentiated: bool = False) -> _CallPlan:
     """``plan`` with its elementwise pairs' outputs written into their inputs' buffers.
 
     XLA copies the input first where anything else still reads it (the caller's array among them), so nothing
@@ -766,18 +766,28 @@ def _with_outputs_in_place(plan: _CallPlan, arrays) -> _CallPlan:
     moves from the loop to a call whose input the caller keeps costs the same in both places. Measured on an
     H200 with default flags (docs/benchmarks-speed-gpu.md): a 4096-element forward scan step, 1.05-1.13× pure
     JAX written in place against 1.70-1.72× out of place.
+
+    ``differentiated``: the forward of a differentiated call, whose inputs are residuals of the backward pass. XLA
+    then copies the input first unless it is a scan's carry, which the scan stores into its stack of residuals
+    before the call: there the output's copy into the carry goes, and the loop body is one operation shorter. So
+    that choice follows the in-place adjoint's policy (``_adjoint_in_place_pays``): a body too short for a CUDA
+    graph under XLA's default flags would enter the handler every step.
     """
     sig = plan.sig
     if type(sig) is not KernelSignature:
         return plan  # (checked mode's signatures: their outputs are zeroed first, never written in place)
-    pairs = sig.in_place_pairs_for(_array_shapes(plan, arrays), plan.launch_dims)
+    shapes = _array_shapes(plan, arrays)
+    pairs = sig.in_place_pairs_for(shapes, plan.launch_dims)
+    if pairs and differentiated and not _differentiated_forward_in_place_pays(sig, shapes, pairs):
+        return plan
     return dataclasses.replace(plan, outputs_in_place=pairs) if pairs else plan
 
 
 def _differentiable_call_fwd(plan, *primals):
     # symbolic_zeros=True: each primal says whether JAX differentiates with respect to it in this call.
     arrays = tuple(p.value for p in primals)
-    results = _spread_forward(plan, arrays, lambda plan: _first_order_only(plan, False, *arrays))
+    results = _spread_forward(plan, arrays, lambda plan: _first_order_only(
+        _with_outputs_in_place(plan, arrays, differentiated=True), False, *arrays))
     # Pure outputs are not kept for the backward pass: Warp's adjoint sees a pure output's values before the
     # launch (zeros, for an output it reads) or never touches them. Integer outputs have no cotangent and
     # are kept to fill their slot. The in-out arrays' values before the launch are among `arrays`.
@@ -813,6 +823,15 @@ def _adjoint_in_place_pays(sig: KernelSignature, shapes: dict[str, tuple[int, ..
         return True
     by_name = {s.name: s for s in sig.outputs}
     return max(int(np.prod(shapes[y], dtype=np.int64)) * by_name[y].dtype.itemsize for _, y in pairs) >= IN_PLACE_MIN_BYTES
+
+
+def _differentiated_forward_in_place_pays(sig: KernelSignature, shapes: dict[str, tuple[int, ...]], pairs) -> bool:
+    """Whether a differentiated call's forward writes ``pairs``' outputs in place: on a GPU, where its adjoint does.
+
+    Not on the CPU: there XLA's scheduler stores a scan's carry into the stack of residuals after the call, so
+    writing in place adds a copy of the carry per step instead of removing one.
+    """
+    return jax.default_backend() != "cpu" and _adjoint_in_place_pays(sig, shapes, pairs)
 
 
 def _differentiable_call_bwd(plan, residuals, cotangents):
