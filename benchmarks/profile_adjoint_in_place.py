@@ -32,7 +32,8 @@ from .profile_scan import loop_body_ops
 
 @contextlib.contextmanager
 def _in_place(mode: str):
-    """Trace with the library's choice, the adjoint always in place, or never; compiled functions keep what they saw."""
+    """Trace with the library's choice, the adjoint always in place (with or without the differentiated forward),
+    or nothing in place; compiled functions keep what they saw."""
     saved = KernelSignature.in_place_pairs_for, _bridge._adjoint_in_place_pays, _bridge._differentiated_forward_in_place_pays
     if mode == "in place":
         _bridge._adjoint_in_place_pays = lambda sig, shapes, pairs: True
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
                         f.write(compiled.as_text())
                 ops = ", ".join(f"{op} {k}" for op, k in sorted(loop_body_ops(compiled.as_text()).items()))
                 entries = _entries_per_step(compiled, call_args) if label != "pure JAX" else 0.0
-                print(f"  {case:32s} {label:30s} handler entries/step {entries:.3f}; loop bodies: {ops}")
+                print(f"  {case:32s} {label:46s} handler entries/step {entries:.3f}; loop bodies: {ops}")
     print(f"µs per scan step (× pure JAX), {args.rounds} rounds")
     print_rounds(cases, args.rounds, SCAN_STEPS)
 

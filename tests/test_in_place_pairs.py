@@ -173,9 +173,14 @@ def test_the_forward_writes_in_place_whatever_the_adjoints_policy(monkeypatch):
     f = warpnn.jax_kernel(blend)
     x, alpha = _blend_inputs()
     assert "output_to_operand_aliasing" in _scan_forward(f, alpha).lower(x).compile().as_text()
-    grad_text = jax.jit(jax.grad(lambda x: jnp.sum(f(x, alpha)[0]))).lower(x).as_text()
-    adjoint_calls = [line for line in grad_text.splitlines() if "custom_call" in line and "adjoint" in line]
+    adjoint_calls = _ffi_calls("adjoint", jax.grad(lambda x: jnp.sum(f(x, alpha)[0])), x)
     assert adjoint_calls and all("output_operand_alias" not in line for line in adjoint_calls)
+
+
+def _ffi_calls(kind: str, fn, *args) -> list[str]:
+    """The lines of ``fn``'s lowered program that call warpnn's ``kind`` ("forward" or "adjoint") handler."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return [line for line in text.splitlines() if "custom_call" in line and kind in line]
 
 
 @pytest.fixture
@@ -394,9 +399,6 @@ def test_calls_written_in_place_leave_the_callers_arrays_unchanged(launcher):
     np.testing.assert_array_equal(np.asarray(alpha), alpha_before)
 
 
-def _forward_calls(fn, *args) -> list[str]:
-    text = jax.jit(fn).lower(*args).as_text()
-    return [line for line in text.splitlines() if "custom_call" in line and "forward" in line]
 
 
 @pytest.mark.parametrize("backend, adjoint_in_place, expected", [
@@ -417,8 +419,8 @@ def test_by_default_a_small_differentiated_forward_stays_out_of_place(monkeypatc
     monkeypatch.undo()  # the library's own adjoint policy, not the autouse fixture's
     f = warpnn.jax_kernel(blend)
     x, alpha = _blend_inputs()
-    (plain,) = _forward_calls(lambda x: f(x, alpha)[0], x)
-    (differentiated,) = _forward_calls(jax.grad(lambda x: jnp.sum(f(x, alpha)[0] ** 2)), x)
+    (plain,) = _ffi_calls("forward", lambda x: f(x, alpha)[0], x)
+    (differentiated,) = _ffi_calls("forward", jax.grad(lambda x: jnp.sum(f(x, alpha)[0] ** 2)), x)
     assert "output_operand_alias" in plain and "output_operand_alias" not in differentiated
 
 
@@ -452,7 +454,7 @@ def test_a_differentiated_forward_in_place_keeps_the_residual_the_adjoint_reads(
     layer_ref = lambda x, a: jnp.sum(jnp.sin(blend_ref(2.0 * x, a)) * x)  # noqa: E731
     for loss, ref in ((scan_loss, scan_ref), (layer_loss, layer_ref)):
         run = lambda: jax.jit(jax.grad(loss, argnums=(0, 1)))(x, alpha)  # noqa: E731
-        assert "output_operand_alias" in _forward_calls(jax.grad(loss), x, alpha)[0]
+        assert "output_operand_alias" in _ffi_calls("forward", jax.grad(loss), x, alpha)[0]
         got = run()
         _bitwise(got, out_of_place(run))
         _close(got, jax.grad(ref, argnums=(0, 1))(x, alpha), rtol=1e-4, atol=1e-5)

@@ -761,9 +761,10 @@ def _with_outputs_in_place(plan: _CallPlan, arrays, *, differentiated: bool = Fa
 
     XLA copies the input first where anything else still reads it (the caller's array among them), so nothing
     the caller holds changes; in a ``lax.scan`` carrying the input it spares the copy of the output into the
-    carry. Unlike the adjoint's (``_adjoint_in_place_pays``) this choice needs no policy: a one-kernel forward
-    loop body is under XLA's minimum for a CUDA graph either way (three operations, or two), and the copy it
-    moves from the loop to a call whose input the caller keeps costs the same in both places. Measured on an
+    carry. For a call that is not differentiated, unlike the adjoint (``_adjoint_in_place_pays``), this choice
+    needs no policy: a one-kernel forward loop body is under XLA's minimum for a CUDA graph either way (three
+    operations, or two), and the copy it moves from the loop to a call whose input the caller keeps costs the
+    same in both places. Measured on an
     H200 with default flags (docs/benchmarks-speed-gpu.md): a 4096-element forward scan step, 1.05-1.13× pure
     JAX written in place against 1.70-1.72× out of place.
 
