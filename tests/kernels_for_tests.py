@@ -124,6 +124,32 @@ def heat_step_ref(u, alpha, c):
     return u + alpha[0] * c * lap
 
 
+# Reads the row above through Warp's negative-index wrap (u[-1, j] is the last row) and measures u in the body:
+# Warp's adjoint of `u.shape` resets the shape of u's adjoint, so the row-loop twin must measure u before its loop.
+@wp.kernel
+def shifted_rows(u: wp.array2d(dtype=float), out: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    n = u.shape[0]
+    out[i, j] = u[i - 1, j] * float(n)
+
+
+@wp.func
+def scaled_row_above(u: wp.array2d(dtype=float), i: int, j: int):
+    n = u.shape[0]  # measured before the read: Warp's own adjoint resets the shape after the read's (right once)
+    return u[i - 1, j] * float(n)
+
+
+@wp.kernel
+def shifted_rows_through_a_func(u: wp.array2d(dtype=float), out: wp.array2d(dtype=float)):
+    # the same, with the measuring inside a @wp.func that gets u (and u's adjoint, by reference)
+    i, j = wp.tid()
+    out[i, j] = scaled_row_above(u, i, j)
+
+
+def shifted_rows_ref(u):
+    return jnp.roll(u, 1, 0) * u.shape[0]
+
+
 def chain_springs(n):
     """A chain of n particles with springs (i, i+1) and (i, i+2): shared connectivity for the tests."""
     a = jnp.arange(n - 1)

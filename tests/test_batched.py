@@ -21,6 +21,8 @@ from .kernels_for_tests import (
     cubic_f64_ref,
     heat_step,
     heat_step_ref,
+    shifted_rows,
+    shifted_rows_through_a_func,
     rotate,
     rotate_ref,
     scale_square,
@@ -693,6 +695,23 @@ def test_row_loop_needs_every_return_outside_loops():
     assert not _batched.twin_of(scale_square, False).inner_loop  # a 1-D launch has no inner dim to loop over
 
 
+def test_the_row_loop_measures_arrays_before_its_loop_and_needs_arrays_kept_out_of_wp_funcs():
+    """Warp's adjoint of ``u.shape`` resets the shape of ``u``'s adjoint (harmless once per thread, fatal in a loop
+    with negative indices): the row loop reads ``u.shape[k]`` before it, and a kernel that hands an array to a
+    ``@wp.func`` (whose adjoint may do the same through its reference) keeps the plain row twin."""
+
+    def prologue(kernel):
+        source = _batched.twin_of(kernel, False).kernel.adj.source
+        return [line.strip() for line in source.splitlines() if line.strip().startswith(f"{_batched.BATCH_PREFIX}s")]
+
+    assert _batched.twin_of(heat_step, False).inner_loop
+    assert prologue(heat_step) == ["warpnn_s0 = u.shape[0]", "warpnn_s1 = u.shape[1]"]
+    assert _batched.twin_of(shifted_rows, False).inner_loop
+    assert prologue(shifted_rows) == ["warpnn_s0 = u.shape[0]"]
+    twin = _batched.twin_of(shifted_rows_through_a_func, False)
+    assert isinstance(twin, _batched.Twin) and not twin.inner_loop
+
+
 def _kernels_of(module_names):
     import importlib
 
@@ -778,6 +797,34 @@ def _run_native_script(script: str, **variables: str) -> str:
     if out.stdout.startswith("SKIP"):
         pytest.skip(out.stdout)
     return out.stdout
+
+_SHIFTED_ROWS_SCRIPT = _NATIVE_PRELUDE + """
+name = os.environ["KERNEL"]
+f = warpnn.jax_kernel(getattr(K, name))
+u = jax.random.normal(jax.random.PRNGKey(0), (5, 64))
+w = jax.random.normal(jax.random.PRNGKey(1), (5, 64))
+got = np.asarray(jax.jit(jax.grad(lambda u: jnp.vdot(w, f(u)[0])))(u))
+want = np.asarray(jax.grad(lambda u: jnp.vdot(w, K.shifted_rows_ref(u)))(u))
+ua = wp.array(np.asarray(u), requires_grad=True, device="cpu")
+out = wp.zeros(u.shape, dtype=float, requires_grad=True, device="cpu")
+tape = wp.Tape()
+with tape:
+    wp.launch(getattr(K, name), dim=u.shape, inputs=[ua, out], device="cpu")
+tape.backward(grads={out: wp.array(np.asarray(w), device="cpu")})
+print("ERR", float(np.abs(got - want).max()), "TAPE", float(np.abs(got - ua.grad.numpy()).max()))
+"""
+
+
+@pytest.mark.parametrize("kernel", ["shifted_rows", "shifted_rows_through_a_func"])
+def test_a_row_loop_adjoint_through_negative_indices_and_a_measured_array_is_right(kernel):
+    """The gradient of a kernel reading ``u[i - 1, j]`` (Warp wraps it at ``i = 0``) and measuring ``u`` in its body
+    or in a ``@wp.func``, on the CPU where the row twin runs, against pure JAX and Warp's tape on the kernel itself.
+    Before the row loop measured ``u`` first it wrote before the adjoint's buffer and the process died of heap
+    corruption: a subprocess, so a regression fails this test rather than the suite."""
+    out = _run_native_script(_SHIFTED_ROWS_SCRIPT, KERNEL=kernel, WARPNN_CPU_THREADS="1")
+    err, tape = (float(v) for v in out.splitlines()[-1].split()[1::2])
+    assert err < 1e-4 and tape < 1e-4, out
+
 
 _OVERSUBSCRIBED_SCRIPT = """
 import os

@@ -70,6 +70,7 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
+from ._signature import _names_visible_to
 
 BATCH_PREFIX = "warpnn_"
 FIRST_BATCH = "warpnn_first_batch"
@@ -349,6 +350,77 @@ def _hoisted_reads(body: list[ast.stmt], ndims: dict[str, int]) -> tuple[list[as
     return [hoister.visit(stmt) for stmt in body], prologue
 
 
+class _HoistShapes(ast.NodeTransformer):
+    """Replace ``x.shape[k]`` of an array parameter by a local the row loop's prologue reads (see
+    :func:`_hoisted_shapes`)."""
+
+    def __init__(self, arrays: frozenset[str]):
+        self.arrays = arrays
+        self.names: dict[tuple[str, int], str] = {}
+
+    def visit_Subscript(self, node: ast.Subscript):
+        value = node.value
+        if (isinstance(value, ast.Attribute) and value.attr == "shape" and isinstance(value.value, ast.Name)
+                and value.value.id in self.arrays and _constant_indices([node.slice]) is not None):
+            key = (value.value.id, node.slice.value)  # type: ignore[attr-defined]
+            local = self.names.setdefault(key, f"{BATCH_PREFIX}s{len(self.names)}")
+            return ast.copy_location(ast.Name(id=local, ctx=ast.Load()), node)
+        return self.generic_visit(node)
+
+
+def _hoisted_shapes(body: list[ast.stmt], arrays: frozenset[str], scope: dict) -> tuple[list[ast.stmt], list[str]] | None:
+    """The row loop's body with every ``x.shape[k]`` of an array parameter read once before the loop, and the
+    prologue lines that read them; None if the body uses an array parameter in a way a loop would break.
+
+    Why: Warp's adjoint of ``x.shape`` (or ``x.ptr``) *assigns* that field of ``x``'s adjoint array (``adj_x.shape =
+    adj_k``, a zeroed shape), after the adjoints of the reads that used it. Run once per thread that is harmless;
+    inside the row loop, every later iteration's adjoint then indexes ``x``'s adjoint with a zero shape, so a negative
+    index (``x[i - 1, j]`` at ``i = 0``, which Warp wraps) is not wrapped and the adjoint writes before the buffer
+    (measured: heap corruption). Read before the loop, the field's adjoint runs after the loop's. A ``@wp.func``
+    that takes the array gets its adjoint by reference and may do the same, so such kernels (and any other use of an
+    array parameter than indexing it, measuring it at a constant dim, or passing it to a Warp builtin) get no loop."""
+    parents: dict[ast.AST, ast.AST] = {}
+    for stmt in body:
+        for node in ast.walk(stmt):
+            for child in ast.iter_child_nodes(node):
+                parents[child] = node
+    for stmt in body:
+        for node in ast.walk(stmt):
+            if not (isinstance(node, ast.Name) and node.id in arrays):
+                continue
+            parent = parents.get(node)
+            indexed = isinstance(parent, ast.Subscript) and parent.value is node
+            measured = (isinstance(parent, ast.Attribute) and parent.attr == "shape"
+                        and isinstance(parents.get(parent), ast.Subscript) and parents[parent].value is parent
+                        and _constant_indices([parents[parent].slice]) is not None)  # type: ignore[attr-defined]
+            to_builtin = isinstance(parent, ast.Call) and node in parent.args and _is_warp_builtin(parent.func, scope)
+            if not (indexed or measured or to_builtin):
+                return None
+    hoister = _HoistShapes(arrays)
+    body = [hoister.visit(stmt) for stmt in body]
+    return body, [f"{local} = {name}.shape[{k}]" for (name, k), local in hoister.names.items()]
+
+
+def _is_warp_builtin(func: ast.expr, scope: dict) -> bool:
+    """Whether a call's function is a Warp builtin (``wp.atomic_add``); False for a ``@wp.func`` or anything unresolved."""
+    target = call_target(func, scope)
+    return isinstance(target, wp.Function) and target.is_builtin()
+
+
+def call_target(func: ast.expr, scope: dict):
+    """What a kernel's call ``func(...)`` names, looked up in ``scope`` (the kernel's globals); None if not a plain
+    (dotted) name or not found."""
+    root = func
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    if not isinstance(root, ast.Name):  # e.g. make_function()(...)
+        return None
+    try:
+        return eval(compile(ast.Expression(func), "<warpnn>", "eval"), dict(scope))  # noqa: S307 - a name lookup
+    except Exception:  # noqa: BLE001 - not resolvable here
+        return None
+
+
 def _check_no_block_builtins(tree: ast.AST) -> None:
     for node in ast.walk(tree):
         name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
@@ -423,6 +495,11 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
     # every thread's coordinates from one linear index with a 64-bit division per dim, about half the cost of
     # a small kernel such as a stencil (benchmarks/cpu_codegen.py); a loop has none. `return` becomes `continue`.
     inner_loop = not batched and kernel_dim >= 2 and _returns_only_at_top(flat_body)
+    shapes = None
+    if inner_loop:
+        array_params = frozenset(n for n in params if n not in others)
+        shapes = _hoisted_shapes(flat_body, array_params, _names_visible_to(kernel.func))
+        inner_loop = shapes is not None
     launched = kernel_dim - inner_loop
     coords = ", ".join(f"{BATCH_PREFIX}r{k}" if k == 0 else f"{BATCH_PREFIX}t{k}" for k in range(launched))
     prologue = [
@@ -430,10 +507,11 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
         *([f"{BATCH_PREFIX}b = {BATCH_PREFIX}bl + {FIRST_BATCH}"] if batched else []),
         f"{BATCH_PREFIX}t0 = {BATCH_PREFIX}r0 + {FIRST_ROW}",
     ]
-    if inner_loop:
+    if shapes is not None:
+        flat_body, measured = shapes
         flat_body, hoisted = _hoisted_reads(flat_body, {n: arg_types[n].ndim for n in params if n not in others})
         flat_body = [_ReturnToContinue().visit(x) for x in flat_body]
-        prologue += [*hoisted, f"for {BATCH_PREFIX}t{kernel_dim - 1} in range({INNER}):"]
+        prologue += [*measured, *hoisted, f"for {BATCH_PREFIX}t{kernel_dim - 1} in range({INNER}):"]
     body_source = ast.unparse(ast.Module(body=flat_body, type_ignores=[]))
     annotations = {  # the twin's parameters, in order
         **{f"{n}{_ARRAY_SUFFIX}" if n in arrays else n: (_array_type(arg_types[n], 1) if n in arrays else arg_types[n]) for n in params},

@@ -50,6 +50,7 @@ import jax
 import numpy as np
 import warp as wp
 
+from ._batched import call_target
 from ._signature import ArrayUse, KernelSignature, Struct, _arg_spec
 
 CHECK_ENV = "WARPNN_CHECK"
@@ -435,16 +436,8 @@ class _IndexGuard(ast.NodeTransformer):
         return isinstance(node, ast.Name) and node.id in self.structs
 
     def _is_builtin(self, func) -> bool:
-        node = func
-        while isinstance(node, ast.Attribute):
-            node = node.value
-        if not isinstance(node, ast.Name):  # e.g. make_function()(...): not a plain name, assume a user function
-            return False
-        try:
-            target = eval(compile(ast.Expression(func), "<checked>", "eval"), self.scope)  # noqa: S307 - a name lookup
-        except Exception:  # noqa: BLE001 - not resolvable here: assume a user function
-            return False
-        return not isinstance(target, wp.Function) or target.is_builtin()
+        target = call_target(func, self.scope)  # None: not resolvable here, assume a user function
+        return target is not None and (not isinstance(target, wp.Function) or target.is_builtin())
 
     # -- statements
 
