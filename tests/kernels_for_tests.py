@@ -150,6 +150,30 @@ def shifted_rows_ref(u):
     return jnp.roll(u, 1, 0) * u.shape[0]
 
 
+# Measures x after reading it at a wrapped negative index (x[-1] is the last element): Warp's adjoint of x.shape
+# resets the shape of x's adjoint before the read's adjoint runs, so the bridge differentiates a twin that measures
+# first (_measured.py).
+@wp.kernel
+def previous_scaled(x: wp.array(dtype=float), out: wp.array(dtype=float)):
+    i = wp.tid()
+    out[i] = x[i - 1] * float(x.shape[0])
+
+
+def previous_scaled_ref(x):
+    return jnp.roll(x, 1) * x.shape[0]
+
+
+@wp.kernel
+def previous_scaled_in_a_loop(x: wp.array2d(dtype=float), out: wp.array2d(dtype=float)):
+    i = wp.tid()
+    for j in range(4):
+        out[i, j] = x[i - 1, j - 1] * float(x.shape[1])
+
+
+def previous_scaled_in_a_loop_ref(x):
+    return jnp.roll(x, (1, 1), (0, 1)) * x.shape[1]
+
+
 def chain_springs(n):
     """A chain of n particles with springs (i, i+1) and (i, i+2): shared connectivity for the tests."""
     a = jnp.arange(n - 1)

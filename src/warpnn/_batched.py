@@ -354,8 +354,9 @@ class _HoistShapes(ast.NodeTransformer):
     """Replace ``x.shape[k]`` of an array parameter by a local the row loop's prologue reads (see
     :func:`_hoisted_shapes`)."""
 
-    def __init__(self, arrays: frozenset[str]):
+    def __init__(self, arrays: frozenset[str], prefix: str = f"{BATCH_PREFIX}s"):
         self.arrays = arrays
+        self.prefix = prefix
         self.names: dict[tuple[str, int], str] = {}
 
     def visit_Subscript(self, node: ast.Subscript):
@@ -363,7 +364,7 @@ class _HoistShapes(ast.NodeTransformer):
         if (isinstance(value, ast.Attribute) and value.attr == "shape" and isinstance(value.value, ast.Name)
                 and value.value.id in self.arrays and _constant_indices([node.slice]) is not None):
             key = (value.value.id, node.slice.value)  # type: ignore[attr-defined]
-            local = self.names.setdefault(key, f"{BATCH_PREFIX}s{len(self.names)}")
+            local = self.names.setdefault(key, f"{self.prefix}{len(self.names)}")
             return ast.copy_location(ast.Name(id=local, ctx=ast.Load()), node)
         return self.generic_visit(node)
 

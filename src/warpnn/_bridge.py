@@ -17,7 +17,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _checked, _cuda_graphs, _pruned, _sharding, _spread
+from . import _checked, _cuda_graphs, _measured, _pruned, _sharding, _spread
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
@@ -855,6 +855,10 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
             "module), so it cannot be differentiated. Remove enable_backward=False, or keep its inputs out of "
             "the gradient with jax.lax.stop_gradient if you only need its forward pass."
         )
+    # A kernel that measures an array after using it gets its adjoint from a twin that measures first: Warp's
+    # adjoint of x.shape resets the shape of x's adjoint, which unwraps negative indices (_measured.py).
+    plan = dataclasses.replace(plan, sig=_measured.measured_first(sig))
+    sig = plan.sig
     # Small parameters every thread reads at a constant index (alpha[0]) get their adjoint spread over copies on a
     # GPU, so that a million threads do not add into one address: _spread.py.
     spread = _spread.spread_inputs(sig, _array_shapes(plan, arrays)) if _spread.pays(plan.launch_dims) else ()
