@@ -79,9 +79,10 @@ print("MAXERR", max(errors))
 """
 
 
-def test_gradients_through_negative_indices_of_an_array_measured_after_use_are_right():
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gradients_through_negative_indices_of_an_array_measured_after_use_are_right(platform):
     out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env=subprocess_env(JAX_PLATFORMS="cpu"))
+                         env=subprocess_env(JAX_PLATFORMS=platform))
     assert out.returncode == 0, out.stderr[-3000:]
     err = float(out.stdout.split("MAXERR")[-1])
     assert err < 1e-4, out.stdout
