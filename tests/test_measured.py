@@ -11,6 +11,7 @@ import warp as wp
 
 from warpnn import _measured
 from warpnn._signature import signature_of
+from warpnn.kernels.tiles import tile_matmul_kernel
 
 from .helpers import ROOT, subprocess_env
 from .kernels_for_tests import heat_step, previous_scaled, previous_scaled_in_a_loop, shifted_rows
@@ -43,6 +44,7 @@ def test_which_kernels_measure_an_array_after_using_it():
     assert _late(measures_first) == frozenset()
     assert _late(heat_step) == frozenset()  # u.shape is read before u
     assert _late(shifted_rows) == frozenset()
+    assert _late(tile_matmul_kernel) == frozenset()  # measured in its loop's range, evaluated once before the loop
 
 
 def test_the_twin_measures_first_and_only_where_it_can():

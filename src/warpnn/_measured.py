@@ -48,23 +48,30 @@ def measured_first(sig: KernelSignature) -> KernelSignature:
 
 def measures_after_use(fn: ast.FunctionDef, arrays: frozenset[str]) -> frozenset[str]:
     """The arrays of ``arrays`` that the body measures (``x.shape``) in a statement at or after one that uses them
-    otherwise, or inside a loop: those whose adjoint Warp resets before the adjoints of some of their accesses."""
-    used: set[str] = set()
-    late: set[str] = set()
+    otherwise, or inside a loop's body: those whose adjoint Warp resets before the adjoints of some of their
+    accesses. Conservative at the granularity of top-level statements (a ``for`` loop's range, evaluated once
+    before the loop, counts as a statement of its own)."""
+
+    def measured(node: ast.AST) -> set[str]:
+        return {n.value.id for n in ast.walk(node)
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in arrays}
+
+    def used(node: ast.AST) -> set[str]:
+        measurements = {id(n.value) for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in arrays and id(n) not in measurements}
+
+    units: list[tuple[ast.AST, bool]] = []  # (code in evaluation order, whether it repeats)
     for stmt in fn.body:
-        measured_here, used_here = set(), set()
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in arrays:
-                measured_here.add(node.value.id)
-        measured_nodes = {id(n.value) for n in ast.walk(stmt) if isinstance(n, ast.Attribute)}
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.Name) and node.id in arrays and id(node) not in measured_nodes:
-                used_here.add(node.id)
-        in_loop = {n.value.id for loop in ast.walk(stmt) if isinstance(loop, (ast.For, ast.While))
-                   for n in ast.walk(loop) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-                   and n.value.id in arrays}
-        late |= {x for x in measured_here if x in used or x in used_here or x in in_loop}
-        used |= used_here
+        if isinstance(stmt, ast.For):
+            units += [(stmt.iter, False), (ast.Module(body=[*stmt.body, *stmt.orelse], type_ignores=[]), True)]
+        else:
+            units.append((stmt, isinstance(stmt, ast.While) or any(isinstance(n, (ast.For, ast.While)) for n in ast.walk(stmt))))
+    before: set[str] = set()
+    late: set[str] = set()
+    for code, repeats in units:
+        here = used(code)
+        late |= {x for x in measured(code) if repeats or x in before or x in here}
+        before |= here
     return frozenset(late)
 
 
@@ -75,7 +82,9 @@ def _measuring_twin(kernel):
         return None
     arg_types = dict(kernel.adj.arg_types)
     arg_types.pop("return", None)
-    arrays = frozenset(n for n, t in arg_types.items() if wc.matches_array_class(t, wp.array))
+    # float arrays only: Warp's adjoint adds nothing into an integer array's adjoint
+    arrays = frozenset(n for n, t in arg_types.items()
+                       if wc.matches_array_class(t, wp.array) and wc.type_scalar_type(t.dtype) in wc.float_types)
     late = measures_after_use(fn, arrays)
     if not late:
         return None
