@@ -391,9 +391,9 @@ def _hoisted_shapes(body: list[ast.stmt], arrays: frozenset[str], scope: dict) -
                 continue
             parent = parents.get(node)
             indexed = isinstance(parent, ast.Subscript) and parent.value is node
-            measured = (isinstance(parent, ast.Attribute) and parent.attr == "shape"
-                        and isinstance(parents.get(parent), ast.Subscript) and parents[parent].value is parent
-                        and _constant_indices([parents[parent].slice]) is not None)  # type: ignore[attr-defined]
+            outer = parents.get(parent) if parent is not None else None
+            measured = (isinstance(parent, ast.Attribute) and parent.attr == "shape" and isinstance(outer, ast.Subscript)
+                        and outer.value is parent and _constant_indices([outer.slice]) is not None)
             to_builtin = isinstance(parent, ast.Call) and node in parent.args and _is_warp_builtin(parent.func, scope)
             if not (indexed or measured or to_builtin):
                 return None
