@@ -64,6 +64,7 @@ import textwrap
 import threading
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -283,26 +284,32 @@ def _indexes_every_dim(node: ast.Subscript, ndim: int) -> bool:
     return len(index) == ndim and not any(isinstance(i, ast.Slice) for i in index)
 
 
+def _parents(body: list[ast.stmt]) -> dict[ast.AST, ast.AST]:
+    """Every node of ``body`` mapped to the node that contains it."""
+    return {child: node for stmt in body for node in ast.walk(stmt) for child in ast.iter_child_nodes(node)}
+
+
+def _mentions(body: list[ast.stmt], names, parents: dict[ast.AST, ast.AST]) -> Iterator[tuple[ast.Name, ast.AST | None]]:
+    """``(name node, its parent)`` for every mention in ``body`` of a name in ``names`` (checked as it goes: a set the
+    caller shrinks while iterating)."""
+    for stmt in body:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and node.id in names:
+                yield node, parents.get(node)
+
+
 def _read_only_arrays(body: list[ast.stmt], ndims: dict[str, int]) -> set[str]:
     """Array parameters the body only reads by subscript (or measures): no store, no augmented assignment, no call
     that takes the array itself (an atomic, a ``wp.func`` that may store into it), no view."""
     read_only = set(ndims)
-    parents: dict[ast.AST, ast.AST] = {}
-    for stmt in body:
-        for node in ast.walk(stmt):
-            for child in ast.iter_child_nodes(node):
-                parents[child] = node
-    for stmt in body:
-        for node in ast.walk(stmt):
-            if not (isinstance(node, ast.Name) and node.id in read_only):
-                continue
-            parent = parents.get(node)
-            # a read: a load of one element (every dim indexed, no slice); a row view `row = x[k]` may be stored through
-            read = (isinstance(parent, ast.Subscript) and parent.value is node and isinstance(parent.ctx, ast.Load)
-                    and not isinstance(parents.get(parent), ast.Subscript) and _indexes_every_dim(parent, ndims[node.id]))
-            measured = isinstance(parent, ast.Attribute) and parent.attr == "shape"
-            if not (read or measured):
-                read_only.discard(node.id)
+    parents = _parents(body)
+    for node, parent in _mentions(body, read_only, parents):
+        # a read: a load of one element (every dim indexed, no slice); a row view `row = x[k]` may be stored through
+        read = (isinstance(parent, ast.Subscript) and parent.value is node and isinstance(parent.ctx, ast.Load)
+                and not isinstance(parents.get(parent), ast.Subscript) and _indexes_every_dim(parent, ndims[node.id]))
+        measured = isinstance(parent, ast.Attribute) and parent.attr == "shape"
+        if not (read or measured):
+            read_only.discard(node.id)
     return read_only
 
 
@@ -380,23 +387,15 @@ def _hoisted_shapes(body: list[ast.stmt], arrays: frozenset[str], scope: dict) -
     (measured: heap corruption). Read before the loop, the field's adjoint runs after the loop's. A ``@wp.func``
     that takes the array gets its adjoint by reference and may do the same, so such kernels (and any other use of an
     array parameter than indexing it, measuring it at a constant dim, or passing it to a Warp builtin) get no loop."""
-    parents: dict[ast.AST, ast.AST] = {}
-    for stmt in body:
-        for node in ast.walk(stmt):
-            for child in ast.iter_child_nodes(node):
-                parents[child] = node
-    for stmt in body:
-        for node in ast.walk(stmt):
-            if not (isinstance(node, ast.Name) and node.id in arrays):
-                continue
-            parent = parents.get(node)
-            indexed = isinstance(parent, ast.Subscript) and parent.value is node
-            outer = parents.get(parent) if parent is not None else None
-            measured = (isinstance(parent, ast.Attribute) and parent.attr == "shape" and isinstance(outer, ast.Subscript)
-                        and outer.value is parent and _constant_indices([outer.slice]) is not None)
-            to_builtin = isinstance(parent, ast.Call) and node in parent.args and _is_warp_builtin(parent.func, scope)
-            if not (indexed or measured or to_builtin):
-                return None
+    parents = _parents(body)
+    for node, parent in _mentions(body, arrays, parents):
+        indexed = isinstance(parent, ast.Subscript) and parent.value is node
+        outer = parents.get(parent) if parent is not None else None
+        measured = (isinstance(parent, ast.Attribute) and parent.attr == "shape" and isinstance(outer, ast.Subscript)
+                    and outer.value is parent and _constant_indices([outer.slice]) is not None)
+        to_builtin = isinstance(parent, ast.Call) and node in parent.args and _is_warp_builtin(parent.func, scope)
+        if not (indexed or measured or to_builtin):
+            return None
     hoister = _HoistShapes(arrays)
     body = [hoister.visit(stmt) for stmt in body]
     return body, [f"{local} = {name}.shape[{k}]" for (name, k), local in hoister.names.items()]
