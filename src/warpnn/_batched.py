@@ -650,6 +650,7 @@ def _env_int(name: str, default: int) -> int:
 # What a call asks of the launcher (decided while lowering, when the batch and the platform are known)
 
 TWIN_ATTR = "twin_launch"
+REACH_ATTR = "row_reach"  # see _reach.py
 
 
 def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: dict, platforms) -> tuple[list, dict]:
@@ -661,7 +662,8 @@ def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: di
     """
     from ._launch import LAUNCHER  # the launcher resolves lazily; imported here to keep import order simple
 
-    sig, _adjoint = kernel
+    sig, adjoint = kernel
+    split = False
 
     num_batch = 1
     for n in batch_shape:
@@ -698,7 +700,27 @@ def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: di
         return operands, {}
     if batched:
         operands = [_flat_batch(op, batch_shape) for op in operands]
-    return operands, {TWIN_ATTR: np.int64(1)}
+    extra = {TWIN_ATTR: np.int64(1)}
+    if adjoint and split and os.environ.get(WINDOWS_ENV, "1").strip() != "0":
+        reach = _adjoint_reach(sig, launch, [op.shape[len(batch_shape):] for op in operands], attrs)
+        if reach is not None:
+            extra[REACH_ATTR] = reach
+    return operands, extra
+
+
+def _adjoint_reach(sig, launch: tuple[int, ...], shapes: list, attrs: dict):
+    """The ``row_reach`` attribute of an adjoint CPU launch (``_reach.py``), from its operands' shapes (array
+    inputs, primal outputs, cotangents) and its scalar attributes."""
+    from . import _reach  # (it builds on this module)
+    from ._ffi_attrs import SCALAR_ATTR_PREFIX
+
+    named = [*sig.array_inputs, *sig.outputs]
+    if len(shapes) < len(named):
+        return None
+    by_name = {spec.name: tuple(int(d) for d in shape) for spec, shape in zip(named, shapes)}
+    scalars = {k[len(SCALAR_ATTR_PREFIX):]: v.item() for k, v in attrs.items() if k.startswith(SCALAR_ATTR_PREFIX)}
+    results = [s.name for s in sig.adjoint_inputs] + [""] * len(sig.carried_adjoints)
+    return _reach.attribute(sig, launch, by_name, scalars, results)
 
 
 def _loops_rows(kernel) -> bool:

@@ -887,8 +887,45 @@ typedef struct {
     int32_t scalar_bytes_of[64];
     int64_t ret_rows[64];             /* rows (first dim) of each result */
     const WindowSource* windows;      /* per result, kMaxWindowSources; NULL: every partial covers all rows */
+    const int64_t* reach;             /* attribute row_reach (see find_reach), or NULL */
     int64_t* window_rows;             /* per worker >= 1 and result: the [first, end) rows its partial covers */
 } CpuSplit;
+
+/* Attribute row_reach of an adjoint launch (warpnn/_reach.py): for results whose rows the kernel reaches through
+ * indices computed from the thread's row alone (a stencil's neighbours, wrapped), the rows each block of launch rows
+ * reaches, found by a probe of the kernel's index arithmetic. int64 [block, blocks, results, then per result `blocks`
+ * minima and `blocks` maxima]; a minimum < 0: unknown (all rows). NULL unless it fits this launch exactly. */
+static const int64_t* find_reach(const XLA_FFI_CallFrame* frame, int64_t extent, int32_t num_rets) {
+    const XLA_FFI_Attrs* attrs = &frame->attrs;
+    for (int64_t i = 0; i < attrs->size; ++i) {
+        if (!span_equals(attrs->names[i], "row_reach", 9) || attrs->types[i] != XLA_FFI_AttrType_ARRAY) continue;
+        const XLA_FFI_Array* a = (const XLA_FFI_Array*)attrs->attrs[i];
+        if (a->dtype != XLA_FFI_DataType_S64 || a->size < 3) return NULL;
+        const int64_t* v = (const int64_t*)a->data;
+        if (v[0] < 1 || v[1] != (extent + v[0] - 1) / v[0] || v[2] != num_rets ||
+            a->size != 3 + (size_t)num_rets * 2 * (size_t)v[1])
+            return NULL;
+        return v;
+    }
+    return NULL;
+}
+
+/* The rows of result r that the launch rows [lo, hi) reach according to row_reach; all rows if unknown. */
+static void reach_window(const CpuSplit* c, int32_t r, int64_t lo, int64_t hi, int64_t* first, int64_t* end) {
+    if (!c->reach || hi <= lo) return;
+    int64_t block = c->reach[0], blocks = c->reach[1], smallest = INT64_MAX, largest = INT64_MIN;
+    const int64_t* mins = c->reach + 3 + (size_t)r * 2 * (size_t)blocks;
+    const int64_t* maxs = mins + blocks;
+    for (int64_t b = lo / block; b <= (hi - 1) / block; ++b) {
+        if (b >= blocks || mins[b] < 0 || maxs[b] < mins[b]) return;
+        smallest = mins[b] < smallest ? mins[b] : smallest;
+        largest = maxs[b] > largest ? maxs[b] : largest;
+    }
+    if (largest < c->ret_rows[r]) {
+        *first = smallest;
+        *end = largest + 1;
+    }
+}
 
 /* The rows of result r that the launch rows [lo, hi) may touch: between the smallest and the largest integer in
  * those rows of the result's index arrays (see PartialKinds). All rows where an index array is not a dense
@@ -898,7 +935,10 @@ static void row_window(const CpuSplit* c, int32_t r, int64_t lo, int64_t hi, int
     *first = 0;
     *end = rows;
     const WindowSource* src = c->windows ? c->windows + (size_t)r * kMaxWindowSources : NULL;
-    if (!src || src[0].field < 0) return;
+    if (!src || src[0].field < 0) {
+        reach_window(c, r, lo, hi, first, end);
+        return;
+    }
     for (int k = 0; k < kMaxWindowSources && src[k].field >= 0; ++k) {
         wp_array_t a;
         memcpy(&a, c->args + src[k].field, sizeof(a));
@@ -1226,6 +1266,7 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
         c.extent = (int64_t)(dims_attr->size >= 1 ? dims[0] : 1);
         c.threads_per_index = (int64_t)(per_batch / (uint64_t)(c.extent > 0 ? c.extent : 1));
         if (workers > c.extent) workers = (int)c.extent;
+        c.reach = batched ? NULL : find_reach(frame, c.extent, d->num_rets[mode]);
         for (int32_t r = 0; r < d->num_rets[mode]; ++r) {
             const XLA_FFI_Buffer* buf = (const XLA_FFI_Buffer*)frame->rets.rets[r];
             const int64_t* p = d->params + (size_t)d->ret_param[mode][r] * P_NCOLS;
@@ -1242,7 +1283,8 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
                 partial_stride += (nbytes + 63u) & ~(size_t)63u;
                 /* a windowed partial: each slice zeroes and sums the rows its indices reach, about its share
                  * where connectivity is ordered (a cloth's springs row by row) */
-                int windowed = !batched && pk->window[mode][(size_t)r * kMaxWindowSources].field >= 0;
+                int windowed = !batched && (pk->window[mode][(size_t)r * kMaxWindowSources].field >= 0 ||
+                                            (c.reach && c.reach[3 + (size_t)r * 2 * (size_t)c.reach[1]] >= 0));
                 partial_cost += windowed ? nbytes / (size_t)(threads > 1 ? threads : 1) : nbytes;
             }
         }
