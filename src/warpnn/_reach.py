@@ -104,7 +104,7 @@ def _block_span(reached: np.ndarray, columns, shape, block: int, blocks: int) ->
 
 def _probe_rows(kernel, probe: _Probe, rows: int, shapes: dict, scalars: dict) -> np.ndarray | None:
     """Run the probe over ``rows`` rows: (rows, leads) int32, or None if it could not run."""
-    cell = (ctypes.c_uint8 * 64)()  # every dummy array's elements alias these bytes (strides 0): never read
+    cell = (ctypes.c_uint8 * 1024)()  # every dummy array's elements alias these bytes (strides 0): never read
     inputs: list = []
     for arg in kernel.adj.args:
         if wc.matches_array_class(arg.type, wp.array):
