@@ -13,8 +13,9 @@ the thread's row (the first ``wp.tid()`` coordinate, integer scalar arguments, a
 arithmetic and Warp functions of those) is evaluated for every row by a *probe*: a Warp kernel generated from the
 statements that compute those indices (compiled like the other twins, launched once per shape and scalars, on the
 CPU, over dummy arrays whose data it never reads; Warp's own arithmetic, so the same values as the kernel's). The
-smallest and largest row each block of rows reaches goes to the handler as the attribute ``row_reach``, where it
-bounds each thread's partial buffer like the index arrays' windows. Any doubt (an access through a ``@wp.func``, a
+smallest and largest row each block of rows reaches (as the launch row plus its nearest offset, so that a periodic
+stencil's wrap stays a short circular range) goes to the handler as the attribute ``row_reach``, where it bounds
+each thread's partial buffer like the index arrays' windows. Any doubt (an access through a ``@wp.func``, a
 view, an index read from memory or from the other coordinates, a row out of range) leaves that result's partial
 buffers whole, as before.
 """
@@ -82,13 +83,15 @@ def _attribute(kernel, probe: _Probe, key, results: tuple[str, ...]) -> np.ndarr
     for name in results:
         span = _block_span(reached, probe.columns.get(name), shapes.get(name), block, blocks)
         known |= span is not None
-        values += list(span) if span is not None else [-1] * (2 * blocks)
+        values += [1, *span] if span is not None else [0] * (1 + 2 * blocks)
     return np.asarray(values, dtype=np.int64) if known else None
 
 
 def _block_span(reached: np.ndarray, columns, shape, block: int, blocks: int) -> np.ndarray | None:
-    """Per block of rows, the smallest then the largest row of an array of ``shape`` that ``columns`` of
-    ``reached`` index (negative indices wrapped once, as Warp does); None if any falls outside the array."""
+    """Per block of launch rows, the smallest then the largest row of an array of ``shape`` that ``columns`` of
+    ``reached`` index, each written as its launch row plus the nearest offset to it modulo the array's rows (a
+    periodic stencil's last row reaching row 0 gives rows + 0): the handler's window is circular. Negative indices
+    wrap once, as Warp's do; None if any falls outside the array."""
     if not columns or not shape:
         return None
     extent = shape[0]
@@ -96,9 +99,12 @@ def _block_span(reached: np.ndarray, columns, shape, block: int, blocks: int) ->
     targets = np.where(targets < 0, targets + extent, targets)
     if (targets < 0).any() or (targets >= extent).any():
         return None
+    row = np.arange(targets.shape[0], dtype=np.int64)[:, None]
+    offset = (targets - row) % extent
+    unwrapped = row + np.where(offset > extent // 2, offset - extent, offset)
     pad = blocks * block - targets.shape[0]
-    low = np.pad(targets.min(axis=1), (0, pad), mode="edge").reshape(blocks, block).min(axis=1)
-    high = np.pad(targets.max(axis=1), (0, pad), mode="edge").reshape(blocks, block).max(axis=1)
+    low = np.pad(unwrapped.min(axis=1), (0, pad), mode="edge").reshape(blocks, block).min(axis=1)
+    high = np.pad(unwrapped.max(axis=1), (0, pad), mode="edge").reshape(blocks, block).max(axis=1)
     return np.concatenate([low, high])
 
 

@@ -893,8 +893,10 @@ typedef struct {
 
 /* Attribute row_reach of an adjoint launch (warpnn/_reach.py): for results whose rows the kernel reaches through
  * indices computed from the thread's row alone (a stencil's neighbours, wrapped), the rows each block of launch rows
- * reaches, found by a probe of the kernel's index arithmetic. int64 [block, blocks, results, then per result `blocks`
- * minima and `blocks` maxima]; a minimum < 0: unknown (all rows). NULL unless it fits this launch exactly. */
+ * reaches, found by a probe of the kernel's index arithmetic. int64 [block, blocks, results, then per result: known
+ * (1) or not (0), `blocks` minima, `blocks` maxima]. A row is given as the launch row plus its nearest offset to the
+ * row reached, so it may lie outside [0, rows): the window is circular (a periodic stencil's last rows reach row 0).
+ * NULL unless it fits this launch exactly. */
 static const int64_t* find_reach(const XLA_FFI_CallFrame* frame, int64_t extent, int32_t num_rets) {
     const XLA_FFI_Attrs* attrs = &frame->attrs;
     for (int64_t i = 0; i < attrs->size; ++i) {
@@ -903,28 +905,41 @@ static const int64_t* find_reach(const XLA_FFI_CallFrame* frame, int64_t extent,
         if (a->dtype != XLA_FFI_DataType_S64 || a->size < 3) return NULL;
         const int64_t* v = (const int64_t*)a->data;
         if (v[0] < 1 || v[1] != (extent + v[0] - 1) / v[0] || v[2] != num_rets ||
-            a->size != 3 + (size_t)num_rets * 2 * (size_t)v[1])
+            a->size != 3 + (size_t)num_rets * (1 + 2 * (size_t)v[1]))
             return NULL;
         return v;
     }
     return NULL;
 }
 
-/* The rows of result r that the launch rows [lo, hi) reach according to row_reach; all rows if unknown. */
+static int reach_known(const int64_t* reach, int32_t r) {
+    return reach && reach[3 + (size_t)r * (1 + 2 * (size_t)reach[1])] == 1;
+}
+
+/* The rows of result r that the launch rows [lo, hi) reach according to row_reach, as [first, end) with first in
+ * [0, rows) and end possibly past rows (the window then goes on from row 0); all rows if unknown. */
 static void reach_window(const CpuSplit* c, int32_t r, int64_t lo, int64_t hi, int64_t* first, int64_t* end) {
-    if (!c->reach || hi <= lo) return;
+    int64_t rows = c->ret_rows[r];
+    if (!reach_known(c->reach, r) || hi <= lo || rows < 1) return;
     int64_t block = c->reach[0], blocks = c->reach[1], smallest = INT64_MAX, largest = INT64_MIN;
-    const int64_t* mins = c->reach + 3 + (size_t)r * 2 * (size_t)blocks;
+    const int64_t* mins = c->reach + 3 + (size_t)r * (1 + 2 * (size_t)blocks) + 1;
     const int64_t* maxs = mins + blocks;
     for (int64_t b = lo / block; b <= (hi - 1) / block; ++b) {
-        if (b >= blocks || mins[b] < 0 || maxs[b] < mins[b]) return;
+        if (b >= blocks || maxs[b] < mins[b]) return;
         smallest = mins[b] < smallest ? mins[b] : smallest;
         largest = maxs[b] > largest ? maxs[b] : largest;
     }
-    if (largest < c->ret_rows[r]) {
-        *first = smallest;
-        *end = largest + 1;
-    }
+    if (largest - smallest + 1 >= rows) return;
+    *first = ((smallest % rows) + rows) % rows;
+    *end = *first + (largest - smallest + 1);
+}
+
+/* The two row ranges of a window [first, end) of a result of `rows` rows (end > rows: it wraps to row 0). */
+static void window_ranges(const int64_t* window, int64_t rows, int64_t ranges[2][2]) {
+    ranges[0][0] = window[0];
+    ranges[0][1] = window[1] < rows ? window[1] : rows;
+    ranges[1][0] = 0;
+    ranges[1][1] = window[1] > rows ? window[1] - rows : 0;
 }
 
 /* The rows of result r that the launch rows [lo, hi) may touch: between the smallest and the largest integer in
@@ -986,9 +1001,12 @@ static void cpu_split_launch(void* ctx_, int w, int n) {
             row_window(c, r, lo, hi, &window[0], &window[1]);
             size_t row_bytes = c->ret_bytes[r] / (size_t)(c->ret_rows[r] > 0 ? c->ret_rows[r] : 1);
             atomic_fetch_add_explicit(&g_partial_rows, window[1] - window[0], memory_order_relaxed);
-            if (window[1] > window[0])
-                memset(mine + c->partial_offset[r] + (size_t)window[0] * row_bytes, 0,
-                       (size_t)(window[1] - window[0]) * row_bytes);
+            int64_t ranges[2][2];
+            window_ranges(window, c->ret_rows[r], ranges);
+            for (int k = 0; k < 2; ++k)
+                if (ranges[k][1] > ranges[k][0])
+                    memset(mine + c->partial_offset[r] + (size_t)ranges[k][0] * row_bytes, 0,
+                           (size_t)(ranges[k][1] - ranges[k][0]) * row_bytes);
         }
         for (int32_t k = 0; k < c->num_arrays; ++k) {
             const ArraySlot* as = &c->arrays[k];
@@ -1032,18 +1050,22 @@ static void cpu_split_reduce(void* ctx_, int w, int n) {
             const uint8_t* src = c->partials + (size_t)(p - 1) * c->partial_stride + c->partial_offset[r];
             uint8_t* dst = c->ret_data[r];
             const int64_t* window = c->window_rows + ((size_t)(p - 1) * (size_t)c->num_rets + (size_t)r) * 2;
-            size_t from = (size_t)window[0] * per_row, to = (size_t)window[1] * per_row;
-            from = from > lo ? from : lo;
-            to = to < hi ? to : hi;
+            int64_t ranges[2][2];
+            window_ranges(window, c->ret_rows[r], ranges);
+            for (int k = 0; k < 2; ++k) {
+                size_t from = (size_t)ranges[k][0] * per_row, to = (size_t)ranges[k][1] * per_row;
+                from = from > lo ? from : lo;
+                to = to < hi ? to : hi;
 #define WARPNN_ADD(T)                                                                            \
     for (size_t i = from; i < to; ++i) ((T*)dst)[i] = (T)(((T*)dst)[i] + ((const T*)src)[i]);
-            if (kind == K_FLOAT && item == 4) { WARPNN_ADD(float) }
-            else if (kind == K_FLOAT && item == 8) { WARPNN_ADD(double) }
-            else if (item == 1) { WARPNN_ADD(uint8_t) }
-            else if (item == 2) { WARPNN_ADD(uint16_t) }
-            else if (item == 4) { WARPNN_ADD(uint32_t) }
-            else if (item == 8) { WARPNN_ADD(uint64_t) }
+                if (kind == K_FLOAT && item == 4) { WARPNN_ADD(float) }
+                else if (kind == K_FLOAT && item == 8) { WARPNN_ADD(double) }
+                else if (item == 1) { WARPNN_ADD(uint8_t) }
+                else if (item == 2) { WARPNN_ADD(uint16_t) }
+                else if (item == 4) { WARPNN_ADD(uint32_t) }
+                else if (item == 8) { WARPNN_ADD(uint64_t) }
 #undef WARPNN_ADD
+            }
         }
     }
 }
@@ -1284,7 +1306,7 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
                 /* a windowed partial: each slice zeroes and sums the rows its indices reach, about its share
                  * where connectivity is ordered (a cloth's springs row by row) */
                 int windowed = !batched && (pk->window[mode][(size_t)r * kMaxWindowSources].field >= 0 ||
-                                            (c.reach && c.reach[3 + (size_t)r * 2 * (size_t)c.reach[1]] >= 0));
+                                            reach_known(c.reach, r));
                 partial_cost += windowed ? nbytes / (size_t)(threads > 1 ? threads : 1) : nbytes;
             }
         }
