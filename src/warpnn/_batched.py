@@ -421,6 +421,26 @@ def call_target(func: ast.expr, scope: dict):
         return None
 
 
+def kernel_body(kernel, reserved_prefix: str) -> ast.FunctionDef | None:
+    """``kernel``'s function definition, for a twin generated from its source; None without a source tree, for a
+    generic kernel (Warp resolves its overloads at launch), or if the body uses a name starting with
+    ``reserved_prefix`` (the names the twin adds)."""
+    try:
+        fn = kernel.adj.tree.body[0]
+    except Exception:  # noqa: BLE001 - no source tree
+        return None
+    if not isinstance(fn, ast.FunctionDef) or kernel.is_generic:
+        return None
+    if any(isinstance(n, ast.Name) and n.id.startswith(reserved_prefix) for n in ast.walk(fn)):
+        return None
+    return fn
+
+
+def windows_enabled() -> bool:
+    """Whether split CPU launches may bound partial buffers (``$WARPNN_CPU_ROW_WINDOWS``, default on)."""
+    return os.environ.get(WINDOWS_ENV, "1").strip() != "0"
+
+
 def _check_no_block_builtins(tree: ast.AST) -> None:
     for node in ast.walk(tree):
         name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
@@ -701,7 +721,7 @@ def prepare_call(kernel, batch_shape: tuple[int, ...], operands: list, attrs: di
     if batched:
         operands = [_flat_batch(op, batch_shape) for op in operands]
     extra = {TWIN_ATTR: np.int64(1)}
-    if adjoint and split and os.environ.get(WINDOWS_ENV, "1").strip() != "0":
+    if adjoint and split and windows_enabled():
         reach = _adjoint_reach(sig, launch, [op.shape[len(batch_shape):] for op in operands], attrs)
         if reach is not None:
             extra[REACH_ATTR] = reach
@@ -932,7 +952,7 @@ def _window_table(sig, args_struct, results) -> Any:
     none. A result with more sources than that keeps whole partial buffers, as every result does with
     ``$WARPNN_CPU_ROW_WINDOWS=0`` (read when a kernel is first registered)."""
     by_name = {s.name: s for s in sig.inputs}
-    windows = sig.thread_row_windows if os.environ.get(WINDOWS_ENV, "1").strip() != "0" else {}
+    windows = sig.thread_row_windows if windows_enabled() else {}
     table = []
     for spec in results:
         sources = windows.get(spec.name, ())

@@ -77,7 +77,7 @@ def measures_after_use(fn: ast.FunctionDef, arrays: frozenset[str]) -> frozenset
 
 @functools.cache
 def _measuring_twin(kernel):
-    fn = _twinnable_body(kernel)
+    fn = _batched.kernel_body(kernel, _PREFIX)
     if fn is None:
         return None
     arg_types = dict(kernel.adj.arg_types)
@@ -102,15 +102,3 @@ def _measuring_twin(kernel):
                         *("    " + line for line in [*lines(docstring), *prologue, *lines(body[len(docstring):])])])
     return _batched._kernel_from_source(kernel, source + "\n", name, dict(arg_types), key=f"{kernel.key}{_SUFFIX}",
                                         kind="warpnn_measured")
-
-
-def _twinnable_body(kernel) -> ast.FunctionDef | None:
-    try:
-        fn = kernel.adj.tree.body[0]
-    except Exception:  # noqa: BLE001 - no source tree
-        return None
-    if not isinstance(fn, ast.FunctionDef) or kernel.is_generic:
-        return None
-    if any(isinstance(n, ast.Name) and n.id.startswith(_PREFIX) for n in ast.walk(fn)):
-        return None  # a name the twin needs
-    return fn

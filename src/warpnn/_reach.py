@@ -58,8 +58,7 @@ def attribute(sig: KernelSignature, launch_dims: tuple[int, ...], shapes: dict[s
     probe = _probe_of(sig.kernel)
     if probe is None or not any(name in probe.columns for name in results) or not launch_dims:
         return None
-    params = [a for a in sig.kernel.adj.args]
-    if any(wc.matches_array_class(a.type, wp.array) and a.label not in shapes for a in params):
+    if any(wc.matches_array_class(a.type, wp.array) and a.label not in shapes for a in sig.kernel.adj.args):
         return None
     key = (tuple(launch_dims), tuple(sorted(shapes.items())), tuple(sorted(scalars.items())))
     return _attribute(sig.kernel, probe, key, tuple(results))
@@ -132,13 +131,8 @@ def _probe_rows(kernel, probe: _Probe, rows: int, shapes: dict, scalars: dict) -
 @functools.cache
 def _probe_of(kernel) -> _Probe | None:
     """The probe of ``kernel``'s row-only first indices, or None if no float input is reached only through them."""
-    try:
-        fn = kernel.adj.tree.body[0]
-    except Exception:  # noqa: BLE001 - no source
-        return None
-    if not isinstance(fn, ast.FunctionDef) or kernel.is_generic:
-        return None
-    if any(isinstance(n, ast.Name) and n.id.startswith(_PREFIX) for n in ast.walk(fn)):
+    fn = _batched.kernel_body(kernel, _PREFIX)
+    if fn is None:
         return None
     arg_types = dict(kernel.adj.arg_types)
     arg_types.pop("return", None)
@@ -196,12 +190,9 @@ def _probe_of(kernel) -> _Probe | None:
 def _first_indices(fn: ast.FunctionDef, name: str, ndim: int, row_only: set[str], arrays, scope, measures) -> tuple[str, ...]:
     """The first indices (as source) of every access of array ``name``, if each is a whole element read whose first
     index is row-only and the array is used in no other way than that and measured; else ()."""
-    parents = {child: node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
+    parents = _batched._parents(fn.body)
     found: list[str] = []
-    for node in ast.walk(fn):
-        if not (isinstance(node, ast.Name) and node.id == name):
-            continue
-        parent = parents.get(node)
+    for node, parent in _batched._mentions(fn.body, {name}, parents):
         if isinstance(parent, ast.Attribute) and parent.attr == "shape":
             continue
         if not (isinstance(parent, ast.Subscript) and parent.value is node and isinstance(parent.ctx, ast.Load)

@@ -139,23 +139,13 @@ def spread_copies(value: jax.Array, slots: int) -> jax.Array:
     return jnp.broadcast_to(value, (slots, *value.shape))
 
 
-def _kernel_body(kernel) -> ast.FunctionDef | None:
-    try:
-        fn = kernel.adj.tree.body[0]
-    except Exception:  # noqa: BLE001 - no source tree
-        return None
-    return fn if isinstance(fn, ast.FunctionDef) else None
-
-
 def _eligible_body(sig: KernelSignature) -> ast.FunctionDef | None:
     """The kernel's function definition, if a spread twin can be built from it."""
     kernel = sig.kernel
-    fn = _kernel_body(kernel)
+    fn = _batched.kernel_body(kernel, _PREFIX)
     options = {**kernel.module.options, **kernel.options}
-    if (fn is None or kernel.is_generic or options.get("block_dim", 1) not in (1, 256)
-            or kernel.options.get("block_dim") is not None
-            or any(isinstance(n, ast.Name) and n.id.startswith(_PREFIX) for n in ast.walk(fn))):
-        return None  # tiles and cooperative blocks (wp.tid() means something else there), or names the twin needs
+    if fn is None or options.get("block_dim", 1) not in (1, 256) or kernel.options.get("block_dim") is not None:
+        return None  # tiles and cooperative blocks: wp.tid() means something else there
     try:
         _batched._check_no_block_builtins(fn)
     except _batched._Refused:
@@ -252,7 +242,7 @@ class _SpreadReads(ast.NodeTransformer):
 @functools.cache
 def _spread_kernel(kernel, names: tuple[str, ...], outputs: tuple[str, ...], n_pure: int):
     adj = kernel.adj
-    body_of = _kernel_body(kernel)
+    body_of = _batched.kernel_body(kernel, _PREFIX)
     assert body_of is not None  # (spread_inputs found none without one)
     fn = copy.deepcopy(body_of)
     kernel_dim = getattr(adj, "kernel_dim", None)

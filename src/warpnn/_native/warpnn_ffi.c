@@ -912,8 +912,13 @@ static const int64_t* find_reach(const XLA_FFI_CallFrame* frame, int64_t extent,
     return NULL;
 }
 
+/* Result r's entry of row_reach: known, then its minima and maxima. */
+static const int64_t* reach_entry(const int64_t* reach, int32_t r) {
+    return reach + 3 + (size_t)r * (1 + 2 * (size_t)reach[1]);
+}
+
 static int reach_known(const int64_t* reach, int32_t r) {
-    return reach && reach[3 + (size_t)r * (1 + 2 * (size_t)reach[1])] == 1;
+    return reach && reach_entry(reach, r)[0] == 1;
 }
 
 /* The rows of result r that the launch rows [lo, hi) reach according to row_reach, as [first, end) with first in
@@ -922,7 +927,7 @@ static void reach_window(const CpuSplit* c, int32_t r, int64_t lo, int64_t hi, i
     int64_t rows = c->ret_rows[r];
     if (!reach_known(c->reach, r) || hi <= lo || rows < 1) return;
     int64_t block = c->reach[0], blocks = c->reach[1], smallest = INT64_MAX, largest = INT64_MIN;
-    const int64_t* mins = c->reach + 3 + (size_t)r * (1 + 2 * (size_t)blocks) + 1;
+    const int64_t* mins = reach_entry(c->reach, r) + 1;
     const int64_t* maxs = mins + blocks;
     for (int64_t b = lo / block; b <= (hi - 1) / block; ++b) {
         if (b >= blocks || maxs[b] < mins[b]) return;
