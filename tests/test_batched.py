@@ -281,20 +281,24 @@ def test_twin_refuses_what_it_cannot_express():
 # CPU threads
 
 
-@pytest.fixture
-def cpu_threads():
-    """Set the CPU launch threads for a test (fresh traces), restoring the configuration afterwards."""
+@pytest.fixture(params=[1, 5], ids=["slice per worker", "5 slices per worker"])
+def cpu_threads(request):
+    """Set the CPU launch threads for a test (fresh traces), restoring the configuration afterwards; every such
+    test runs with a slice per worker and with five (threads claiming finer slices)."""
     if LAUNCHER.name != "native" or jax.default_backend() != "cpu":
         pytest.skip("CPU threads are the native CPU handler's")
     twins = LAUNCHER.impl.twins
-    saved = _batched._LAUNCH_CONFIG.get()
+    saved, saved_slices = _batched._LAUNCH_CONFIG.get(), twins.cpu_slices_per_worker
+    twins.set_cpu_slices_per_worker(request.param)
 
     def use(threads, min_work=1):
         twins.set_cpu_threads(threads, min_work)
         jax.clear_caches()
 
+    use.slices_per_worker = request.param
     yield use
     twins.set_cpu_threads(*saved)
+    twins.set_cpu_slices_per_worker(saved_slices)
     jax.clear_caches()
 
 

@@ -81,11 +81,12 @@ def test_split_adjoints_bounded_by_the_probe_match_whole_partials(case, monkeypa
     u = jax.random.normal(jax.random.PRNGKey(0), (97, 40))
     w = jax.random.normal(jax.random.PRNGKey(1), (97, 40))
     twins = LAUNCHER.impl.twins
-    saved = _batched._LAUNCH_CONFIG.get()
+    saved, saved_slices = _batched._LAUNCH_CONFIG.get(), twins.cpu_slices_per_worker
 
-    def gradient(threads, windows):
+    def gradient(threads, windows, slices=1):
         monkeypatch.setenv(_batched.WINDOWS_ENV, windows)
         twins.set_cpu_threads(threads, 1)
+        twins.set_cpu_slices_per_worker(slices)
         jax.clear_caches()
         before = twins.partial_rows()
         grad = np.asarray(jax.jit(jax.grad(lambda u: jnp.vdot(w, f(u))))(u))
@@ -95,9 +96,15 @@ def test_split_adjoints_bounded_by_the_probe_match_whole_partials(case, monkeypa
         one, _ = gradient(1, "1")
         bounded, rows_bounded = gradient(5, "1")
         whole, rows_whole = gradient(5, "0")
+        # finer slices (threads claim 35 of them): each bounded by its own window, a few more rows in all
+        fine, rows_fine = gradient(5, "1", slices=7)
     finally:
         twins.set_cpu_threads(*saved)
+        twins.set_cpu_slices_per_worker(saved_slices)
         jax.clear_caches()
+    assert_close(fine, one, rtol=1e-5, atol=1e-5)
+    if case != "diagonal":
+        assert rows_bounded < rows_fine < 35 * 97 / 4  # 35 slices, each about its own rows
     assert rows_whole == 4 * 97  # four partial buffers of u's adjoint, whole
     if case == "diagonal":
         assert rows_bounded == rows_whole

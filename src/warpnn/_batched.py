@@ -640,10 +640,12 @@ def _stub_function(original, name: str, params: list[str]):
 
 CPU_THREADS_ENV = "WARPNN_CPU_THREADS"  # threads for one CPU launch (default: the CPUs this process may use)
 CPU_MIN_WORK_ENV = "WARPNN_CPU_MIN_WORK"  # launch threads (elements) per CPU worker below which a launch is not split
-DEFAULT_MIN_WORK = 8192
+DEFAULT_MIN_WORK = 4096  # measured: docs/benchmarks-speed-cpu.md ("Eleventh session")
 ADJOINT_WORK_FACTOR = 4  # must equal kAdjointWorkFactor in warpnn_ffi.c
 PARTIAL_BUDGET_ENV = "WARPNN_CPU_PARTIAL_BYTES"  # partial-buffer bytes per launch thread a split may zero and sum
 DEFAULT_PARTIAL_BUDGET = 64  # measured: docs/benchmarks-speed-cpu.md ("The partial budget")
+SLICES_ENV = "WARPNN_CPU_SLICES_PER_THREAD"  # slices per worker of a split launch (windowed or no partial buffers)
+DEFAULT_SLICES_PER_WORKER = 1
 
 
 def cpu_thread_config() -> tuple[int, int]:
@@ -801,7 +803,14 @@ def declare_native(lib) -> None:
     lib.warpnn_partial_rows.restype = c.c_int64
     lib.warpnn_set_cpu_partial_budget.argtypes = [c.c_int64]
     lib.warpnn_set_cpu_partial_budget.restype = None
+    lib.warpnn_set_cpu_slices_per_worker.argtypes = [c.c_int32]
+    lib.warpnn_set_cpu_slices_per_worker.restype = None
+    lib.warpnn_cpu_profile.argtypes = [c.POINTER(c.c_int64)]
+    lib.warpnn_cpu_profile.restype = None
 
+
+# warpnn_ffi.c's g_profile counters, in order (kProfCalls ... kProfReduce)
+_PROFILE_PHASES = ("calls", "handler_ns", "zero_ns", "launch_ns", "reduce_ns", "slices", "slice_ns")
 
 # Partial-buffer kinds (warpnn_ffi.c: kPartialPrivate, kPartialNone, K_INT, K_UINT, K_FLOAT).
 _PRIVATE, _NO_REDUCTION, _K_INT, _K_UINT, _K_FLOAT = -2, -1, 0, 1, 2
@@ -837,6 +846,7 @@ class NativeTwins:
         self._execs: dict[tuple[int, str, bool], Any] = {}  # (kernel id, device, batched): keeps twin code alive
         self.set_cpu_threads(*cpu_thread_config())
         self.set_cpu_partial_budget(_env_int(PARTIAL_BUDGET_ENV, DEFAULT_PARTIAL_BUDGET))
+        self.set_cpu_slices_per_worker(_env_int(SLICES_ENV, DEFAULT_SLICES_PER_WORKER))
 
     def set_cpu_threads(self, threads: int, min_work: int | None = None) -> None:
         """Threads for one CPU launch (1: every launch on XLA's calling thread) and the elements per thread
@@ -851,6 +861,12 @@ class NativeTwins:
         a launch whose scatters need more runs on fewer workers (``$WARPNN_CPU_PARTIAL_BYTES``)."""
         self._lib.warpnn_set_cpu_partial_budget(int(bytes_per_thread))
 
+    def set_cpu_slices_per_worker(self, slices: int) -> None:
+        """Slices per worker of a split CPU launch (1 to 64; ``$WARPNN_CPU_SLICES_PER_THREAD``): threads claim
+        slices as they come, so finer slices let a slowed-down thread take fewer. Read at every launch."""
+        self.cpu_slices_per_worker = max(1, min(64, int(slices)))
+        self._lib.warpnn_set_cpu_slices_per_worker(self.cpu_slices_per_worker)
+
     def kernel_launches(self) -> dict[str, int]:
         return {"forward": self._lib.warpnn_kernel_launches(0), "adjoint": self._lib.warpnn_kernel_launches(1)}
 
@@ -860,6 +876,14 @@ class NativeTwins:
     def partial_rows(self) -> int:
         """Rows of per-worker partial buffers that threaded CPU launches zeroed and summed, since the start."""
         return self._lib.warpnn_partial_rows()
+
+    def cpu_profile(self) -> dict[str, int]:
+        """Where the CPU handler's time went since the last call (counters then zeroed): handler calls, and ns in
+        the handler, zeroing results, split launches (the caller's wait for the slices included) and summing their
+        partial buffers; the split launches' slices and the ns their kernels ran, summed over threads. Counted only when ``$WARPNN_CPU_PROFILE`` is set (non-zero) in the process."""
+        counters = (ctypes.c_int64 * len(_PROFILE_PHASES))()
+        self._lib.warpnn_cpu_profile(counters)
+        return dict(zip(_PROFILE_PHASES, counters))
 
     def prepare(self, sig, batched: bool = True) -> str | None:
         """Register the batched (or row) twin of ``sig`` on this trace's devices; None when ready, else the

@@ -636,7 +636,7 @@ static pthread_cond_t g_pool_start = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t g_pool_done = PTHREAD_COND_INITIALIZER;
 static int g_pool_started;        /* worker threads created (guarded by g_pool_mu) */
 static _Atomic int g_cpu_threads = 1; /* the pool size Python asked for, caller included */
-static _Atomic int64_t g_min_per_worker = 16384; /* launch threads per worker below which a launch is not split */
+static _Atomic int64_t g_min_per_worker = 4096; /* launch threads per worker below which a launch is not split (Python sets it) */
 /* An adjoint thread replays the forward and then scatters into the input adjoints: about 3.5x a forward thread's work
  * (the heat stencil: 10.5 against 3.0 ns per element, benchmarks.cpu_codegen --adjoint), so an adjoint launch splits
  * at a quarter of the forward's elements per worker. On 16 cores that took a 50-step scan of the 256^2 stencil's
@@ -648,6 +648,7 @@ static int64_t min_work_per_worker(int mode) {
     return min_work > 0 ? min_work : 1;
 }
 static _Atomic int64_t g_partial_budget = 64; /* partial-buffer bytes per launch thread a split may zero and sum */
+static _Atomic int g_slices_per_worker = 1;     /* slices a split launch gives each of its workers (slices_for) */
 static _Atomic uint64_t g_pool_generation; /* written under g_pool_mu; read without it while spinning */
 static _Atomic int g_pool_pending;          /* slices of the current job not finished yet */
 /* The next slice of the current job to claim, in the low 32 bits, under the job's generation in the high ones: any
@@ -659,9 +660,16 @@ static _Atomic int g_pool_pending;          /* slices of the current job not fin
 static _Atomic uint64_t g_pool_claim;
 static pool_fn g_job_fn;
 static void* g_job_ctx;
-static int g_job_workers;
+static int g_job_slices;
+static int g_job_threads; /* caller included: workers with a higher index sit the job out */
 static _Atomic int64_t g_threaded_launches;
 static _Atomic int64_t g_partial_rows; /* rows of partial buffers zeroed (and summed) by threaded launches */
+/* Where CPU handler time goes (WARPNN_CPU_PROFILE=1 at load; off, each phase costs a branch): calls, ns in the
+ * handler, zeroing results, split launches (the caller's wait included), their partial sums; the split launches'
+ * slices and the ns their kernels ran (summed over threads: ns / launch ns = threads busy on average). */
+enum { kProfCalls, kProfHandler, kProfZero, kProfLaunch, kProfReduce, kProfSlices, kProfSliceNs, kProfCount };
+static _Atomic int64_t g_profile[kProfCount];
+static int g_profile_on = -1;
 
 /* How long a worker (and the caller, for the others to finish) polls before it sleeps on a condition variable:
  * waking a sleeping thread costs tens of microseconds on a VM (an inter-processor interrupt to a halted vCPU),
@@ -673,6 +681,20 @@ static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int profiling(void) {
+    if (g_profile_on < 0) {
+        const char* v = getenv("WARPNN_CPU_PROFILE");
+        g_profile_on = v && *v && strcmp(v, "0") != 0;
+    }
+    return g_profile_on;
+}
+
+static int64_t profile_start(void) { return profiling() ? now_ns() : 0; }
+
+static void profile_add(int phase, int64_t since) {
+    if (since) atomic_fetch_add_explicit(&g_profile[phase], now_ns() - since, memory_order_relaxed);
 }
 
 static inline void cpu_relax(void) {
@@ -728,24 +750,26 @@ static void* pool_main(void* arg) {
         seen = atomic_load(&g_pool_generation);
         pool_fn fn = g_job_fn;
         void* ctx = g_job_ctx;
-        int n = g_job_workers;
+        int n = g_job_slices, threads = g_job_threads;
         pthread_mutex_unlock(&g_pool_mu);
-        if (index >= n) continue;
+        if (index >= threads) continue;
         run_slices(seen, fn, ctx, n);
     }
     return NULL;
 }
 
-/* Runs fn(ctx, w, n) for the slices w = 0..n-1 on the calling thread and the pool's workers, whichever claims each
- * first; returns the number of slices. */
-static int pool_run(pool_fn fn, void* ctx, int n) {
-    if (n > 1) {
+/* Runs fn(ctx, w, n) for the slices w = 0..n-1 on the calling thread and up to threads - 1 of the pool's workers,
+ * whichever claims each first. Every slice runs (the caller runs those nobody else claimed, so fewer workers than
+ * asked, when thread creation fails, still cover the job). */
+static void pool_run(pool_fn fn, void* ctx, int n, int threads) {
+    if (threads > n) threads = n;
+    if (threads > 1) {
         pthread_mutex_lock(&g_pool_mu);
         if (g_spin_ns < 0) {
             const char* us = getenv("WARPNN_CPU_SPIN_US");
             g_spin_ns = (us && *us ? strtoll(us, NULL, 10) : 100) * 1000;
         }
-        while (g_pool_started < n - 1 && g_pool_started < kMaxWorkers - 1) {
+        while (g_pool_started < threads - 1 && g_pool_started < kMaxWorkers - 1) {
             pthread_t t;
             pthread_attr_t attr;
             pthread_attr_init(&attr);
@@ -755,11 +779,12 @@ static int pool_run(pool_fn fn, void* ctx, int n) {
             if (rc != 0) break;
             ++g_pool_started;
         }
-        if (n - 1 > g_pool_started) n = g_pool_started + 1;
-        if (n > 1) {
+        if (threads - 1 > g_pool_started) threads = g_pool_started + 1;
+        if (threads > 1) {
             g_job_fn = fn;
             g_job_ctx = ctx;
-            g_job_workers = n;
+            g_job_slices = n;
+            g_job_threads = threads;
             uint64_t generation = atomic_load(&g_pool_generation) + 1;
             atomic_store(&g_pool_pending, n);
             atomic_store(&g_pool_claim, (generation & 0xffffffffu) << 32);
@@ -771,13 +796,15 @@ static int pool_run(pool_fn fn, void* ctx, int n) {
             pthread_mutex_unlock(&g_pool_mu);
         }
     }
-    if (n <= 1) fn(ctx, 0, 1);
-    if (n > 1 && !spin_until(NULL, 0, &g_pool_pending)) {
+    if (threads <= 1) {
+        for (int w = 0; w < n; ++w) fn(ctx, w, n);
+        return;
+    }
+    if (!spin_until(NULL, 0, &g_pool_pending)) {
         pthread_mutex_lock(&g_pool_mu);
         while (atomic_load(&g_pool_pending) > 0) pthread_cond_wait(&g_pool_done, &g_pool_mu);
         pthread_mutex_unlock(&g_pool_mu);
     }
-    return n;
 }
 
 /* Pool size (caller included; 1 = every launch on the calling thread) and the smallest slice worth a thread. */
@@ -786,9 +813,19 @@ WARPNN_EXPORT void warpnn_set_cpu_threads(int32_t threads, int64_t min_per_worke
     if (min_per_worker > 0) atomic_store(&g_min_per_worker, min_per_worker);
 }
 
+/* Slices per worker of a split launch (1 to 64). */
+WARPNN_EXPORT void warpnn_set_cpu_slices_per_worker(int32_t slices) {
+    atomic_store(&g_slices_per_worker, slices < 1 ? 1 : slices > 64 ? 64 : slices);
+}
+
 /* The partial-buffer bytes (all workers together) a split launch may zero and sum per launch thread. */
 WARPNN_EXPORT void warpnn_set_cpu_partial_budget(int64_t bytes_per_thread) {
     if (bytes_per_thread > 0) atomic_store(&g_partial_budget, bytes_per_thread);
+}
+
+/* The CPU profile's counters (kProfCount of them, see g_profile), then zeroed. */
+WARPNN_EXPORT void warpnn_cpu_profile(int64_t* out) {
+    for (int k = 0; k < kProfCount; ++k) out[k] = atomic_exchange(&g_profile[k], 0);
 }
 
 WARPNN_EXPORT int64_t warpnn_threaded_launches(void) {
@@ -1028,10 +1065,13 @@ static void cpu_split_launch(void* ctx_, int w, int n) {
     size_t size_field = (size_t)((hi - lo) * c->threads_per_index);
     memcpy(bounds + c->twin->bounds_size_offset, &size_field, sizeof(size_t));
     if (hi > lo) {
+        int64_t t = profile_start();
         if (c->mode)
             ((cpu_backward_fn)c->fn)(bounds, args, adj);
         else
             ((cpu_forward_fn)c->fn)(bounds, args);
+        if (t) atomic_fetch_add_explicit(&g_profile[kProfSlices], 1, memory_order_relaxed);
+        profile_add(kProfSliceNs, t);
     }
 }
 
@@ -1133,6 +1173,22 @@ static uint8_t* cpu_scratch(size_t n) {
         g_cpu_scratch_size = n;
     }
     return g_cpu_scratch;
+}
+
+/* A split launch's slices per worker: threads claim slices as they come, so with more slices than threads one
+ * slowed down (another process on its core, a late wake-up) takes fewer of them instead of holding up the launch. */
+static const size_t kMaxPartialScratch = (size_t)64 << 20;
+
+static int slices_for(int workers, int64_t extent, size_t partial_stride, int all_windowed) {
+    int per_worker = atomic_load(&g_slices_per_worker);
+    /* a whole partial buffer per slice would multiply the zeroing and summing: windowed ones cost about their
+     * slice's rows each, so only those (and launches without partials) are cut finer */
+    if (per_worker <= 1 || (partial_stride && !all_windowed)) return workers;
+    int64_t slices = (int64_t)workers * per_worker;
+    if (slices > extent) slices = extent;
+    if (partial_stride && (size_t)(slices - 1) * partial_stride > kMaxPartialScratch)
+        slices = 1 + (int64_t)(kMaxPartialScratch / partial_stride);
+    return slices > workers ? (int)slices : workers;
 }
 
 static const char* const kDirection[2] = {"forward", "adjoint"};
@@ -1276,6 +1332,7 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
     int workers = threads < by_work ? threads : (int)(by_work < 1 ? 1 : by_work);
     const PartialKinds* pk = (const PartialKinds*)atomic_load_explicit(&((KernelDesc*)d)->partials, memory_order_acquire);
     size_t partial_stride = 0, partial_cost = 0;
+    int all_windowed = 1;
     size_t ret_bytes[64], partial_offset[64];
     uint8_t* ret_data[64];
     int32_t kinds[64];
@@ -1313,6 +1370,7 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
                 int windowed = !batched && (pk->window[mode][(size_t)r * kMaxWindowSources].field >= 0 ||
                                             reach_known(c.reach, r));
                 partial_cost += windowed ? nbytes / (size_t)(threads > 1 ? threads : 1) : nbytes;
+                all_windowed &= windowed;
             }
         }
         if (!batched) c.windows = pk->window[mode];
@@ -1332,15 +1390,16 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
             ((cpu_forward_fn)fn)(bounds, args_struct);
         return NULL;
     }
+    int slices = slices_for(workers, c.extent, partial_stride, all_windowed);
     c.num_rets = d->num_rets[mode];
     c.kinds = kinds;
     c.ret_bytes = ret_bytes;
     c.ret_data = ret_data;
     c.partial_offset = partial_offset;
     c.partial_stride = partial_stride;
-    size_t structs = ((size_t)workers * 2 * args_bytes + 63u) & ~(size_t)63u;
-    size_t windows = ((size_t)workers * (size_t)c.num_rets * 2 * sizeof(int64_t) + 63u) & ~(size_t)63u;
-    uint8_t* scratch = cpu_scratch(structs + windows + (size_t)(workers - 1) * partial_stride);
+    size_t structs = ((size_t)slices * 2 * args_bytes + 63u) & ~(size_t)63u;
+    size_t windows = ((size_t)slices * (size_t)c.num_rets * 2 * sizeof(int64_t) + 63u) & ~(size_t)63u;
+    uint8_t* scratch = cpu_scratch(structs + windows + (size_t)(slices - 1) * partial_stride);
     if (!scratch)
         return make_error(api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "warpnn: kernel '%s': out of host memory",
                           kname);
@@ -1349,11 +1408,14 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
     c.window_rows = (int64_t*)(void*)(scratch + structs);
     c.partials = by_rows && partial_stride ? scratch + structs + windows : NULL;
     if (!by_rows) c.num_rets = 0;
-    /* fewer threads than asked (thread creation failed) still cover the launch: slices follow the count used */
-    int used = pool_run(cpu_split_launch, &c, workers);
+    int64_t t = profile_start();
+    pool_run(cpu_split_launch, &c, slices, workers);
+    profile_add(kProfLaunch, t);
     if (c.partials) {
-        CpuReduce red = {&c, used};
-        pool_run(cpu_split_reduce, &red, workers);
+        t = profile_start();
+        CpuReduce red = {&c, slices};
+        pool_run(cpu_split_reduce, &red, workers, workers);
+        profile_add(kProfReduce, t);
     }
     atomic_fetch_add_explicit(&g_threaded_launches, 1, memory_order_relaxed);
     return NULL;
@@ -1379,6 +1441,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     }
     const XLA_FFI_Api* api = frame->api;
     atomic_fetch_add_explicit(&g_entries[mode], 1, memory_order_relaxed);
+    int64_t handler_start = cuda ? 0 : profile_start();
     const char* platform = cuda ? "CUDA" : "CPU";
 
     /* ---- attributes: kernel_id, launch_dims; scalars are read per parameter below */
@@ -1693,6 +1756,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     }
 
     /* ---- zero the results on the stream: outputs accumulate (wp.atomic_add), and so do input adjoints */
+    int64_t zero_start = cuda ? 0 : profile_start();
     for (int32_t r = 0; r < d->num_rets[mode]; ++r) {
         const XLA_FFI_Buffer* buf = (const XLA_FFI_Buffer*)frame->rets.rets[r];
         const int64_t* p = d->params + (size_t)d->ret_param[mode][r] * P_NCOLS;
@@ -1724,6 +1788,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
             memset(buf->data, 0, nbytes);
         }
     }
+    profile_add(kProfZero, zero_start);
     if (total == 0) goto done;
 
     /* ---- one launch of the batched twin for the whole batch; on the CPU, maybe cut into slices on several threads */
@@ -1765,7 +1830,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
         if (scratch) {
             CpuLoop loop = {fn, mode, bounds, args_struct, args_bytes, arrays, num_arrays, batch, batch_rank,
                             num_batch, scratch};
-            pool_run(cpu_loop_slice, &loop, workers);
+            pool_run(cpu_loop_slice, &loop, workers, workers);
             atomic_fetch_add_explicit(&g_launches[mode], num_batch, memory_order_relaxed);
             atomic_fetch_add_explicit(&g_threaded_launches, 1, memory_order_relaxed);
             num_batch = 0; /* done: skip the loop below */
@@ -1828,6 +1893,10 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
 done:
 #undef FAIL
     if (scratch != stack_scratch) free(scratch);
+    if (handler_start) {
+        atomic_fetch_add_explicit(&g_profile[kProfCalls], 1, memory_order_relaxed);
+        profile_add(kProfHandler, handler_start);
+    }
     return error;
 }
 
