@@ -7,9 +7,10 @@ partial buffers, the rest: argument set-up), and the step's time outside the han
 residual stacking, the loop). Pure JAX's step is timed alongside. Counters from the native library's
 ``WARPNN_CPU_PROFILE`` (set here before warpnn loads).
 
-``--ab 1:8192,8:8192,8:4096`` instead times the same cases on ``--threads`` threads under each setting of the
-split (slices per worker : elements per worker below which a launch is not split, ``WARPNN_CPU_SLICES_PER_THREAD``
-and ``WARPNN_CPU_MIN_WORK``), in alternating rounds of one process with pure JAX, µs per step (medians).
+``--ab 1:8192,8:8192,1:4096:xla`` instead times the same cases on ``--threads`` threads under each setting of the
+split (slices per worker : elements per worker below which a launch is not split [: whose threads], i.e.
+``WARPNN_CPU_SLICES_PER_THREAD``, ``WARPNN_CPU_MIN_WORK`` and ``WARPNN_CPU_POOL``), in alternating rounds of one
+process with pure JAX, µs per step (medians).
 
     JAX_PLATFORMS=cpu python -m benchmarks.profile_cpu_heat [--size 256] [--threads 1,2,16] [--calls 40]
     JAX_PLATFORMS=cpu python -m benchmarks.profile_cpu_heat --threads 16 --ab 1:8192,8:8192 [--springs 200]
@@ -71,24 +72,34 @@ def _cases(size: int, steps: int, springs: int) -> dict:
 
 
 class _Split:
-    """A compiled call run under one split setting (slices per worker, minimum elements per worker): set before
-    each call, as the pool's settings are global and read at every launch."""
+    """A compiled call run under one split setting (slices per worker, minimum elements per worker, whose pool):
+    set before each call, as the pool's settings are global and read at every launch."""
 
-    def __init__(self, call: _Threads, slices: int, min_work: int):
-        self.call, self.slices, self.min_work = call, slices, min_work
+    def __init__(self, call: _Threads, slices: int, min_work: int, pool: str):
+        self.call, self.slices, self.min_work, self.pool = call, slices, min_work, pool
 
     def __call__(self, *args):
         twins = LAUNCHER.impl.twins
         twins.set_cpu_threads(self.call.threads, self.min_work)
         twins.set_cpu_slices_per_worker(self.slices)
+        twins.set_cpu_pool(self.pool)
         return self.call.compiled(*args)
+
+
+def parse_settings(text: str) -> list[tuple[int, int, str]]:
+    """``K:W[:pool],...`` -> [(slices per worker, min work, pool)] (pool ``warpnn`` unless given)."""
+    settings = []
+    for item in text.split(","):
+        k, w, *pool = item.split(":")
+        settings.append((int(k), int(w), pool[0] if pool else "warpnn"))
+    return settings
 
 
 def ab(size: int, threads: int, settings, steps: int, springs: int = 0) -> list[dict]:
     rows = []
     for direction, (ours, ref, args, n_steps) in _cases(size, steps, springs).items():
         call = _Threads(ours, args, threads)
-        cases = {f"{k}:{w}": (_Split(call, k, w), args) for k, w in settings}
+        cases = {":".join(map(str, setting)): (_Split(call, *setting), args) for setting in settings}
         if ref is not None:
             cases["pure JAX"] = (jax.jit(ref).lower(*args).compile(), args)
         times = time_interleaved(cases, rounds=10, per_round=3)
@@ -97,6 +108,7 @@ def ab(size: int, threads: int, settings, steps: int, springs: int = 0) -> list[
     twins = LAUNCHER.impl.twins
     twins.set_cpu_threads(threads, settings[0][1])
     twins.set_cpu_slices_per_worker(settings[0][0])
+    twins.set_cpu_pool(settings[0][2])
     return rows
 
 
@@ -134,14 +146,14 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all)")
-    parser.add_argument("--ab", default=None, metavar="K:W,...",
-                        help="split settings to compare (slices per worker : min elements per worker)")
+    parser.add_argument("--ab", default=None, metavar="K:W[:POOL],...",
+                        help="split settings to compare (slices per worker : min elements per worker [: warpnn|xla])")
     parser.add_argument("--springs", type=int, default=0, metavar="N",
                         help="also the spring-force scatter on an NxN cloth (the threads table's is 282)")
     args = parser.parse_args(argv)
     counts = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, all_threads()})
     if args.ab:
-        settings = [tuple(int(v) for v in kw.split(":")) for kw in args.ab.split(",")]
+        settings = parse_settings(args.ab)
         rows = ab(args.size, counts[-1], settings, args.steps, args.springs)
         names = [k for k in rows[0] if k != "direction"]
         print(f"\nEnvironment: {environment()}\n\n{counts[-1]} threads, µs per step (slices per worker : min work)\n")

@@ -281,24 +281,27 @@ def test_twin_refuses_what_it_cannot_express():
 # CPU threads
 
 
-@pytest.fixture(params=[1, 5], ids=["slice per worker", "5 slices per worker"])
+@pytest.fixture(params=[(1, "warpnn"), (5, "warpnn"), (1, "xla")],
+                ids=["slice per worker", "5 slices per worker", "XLA's pool"])
 def cpu_threads(request):
     """Set the CPU launch threads for a test (fresh traces), restoring the configuration afterwards; every such
-    test runs with a slice per worker and with five (threads claiming finer slices)."""
+    test runs with a slice per worker, with five (threads claiming finer slices), and on XLA's intra-op pool."""
     if LAUNCHER.name != "native" or jax.default_backend() != "cpu":
         pytest.skip("CPU threads are the native CPU handler's")
     twins = LAUNCHER.impl.twins
-    saved, saved_slices = _batched._LAUNCH_CONFIG.get(), twins.cpu_slices_per_worker
-    twins.set_cpu_slices_per_worker(request.param)
+    saved = _batched._LAUNCH_CONFIG.get(), twins.cpu_slices_per_worker, twins.cpu_pool
+    slices, pool = request.param
+    twins.set_cpu_slices_per_worker(slices)
+    twins.set_cpu_pool(pool)
 
     def use(threads, min_work=1):
         twins.set_cpu_threads(threads, min_work)
         jax.clear_caches()
 
-    use.slices_per_worker = request.param
     yield use
-    twins.set_cpu_threads(*saved)
-    twins.set_cpu_slices_per_worker(saved_slices)
+    twins.set_cpu_threads(*saved[0])
+    twins.set_cpu_slices_per_worker(saved[1])
+    twins.set_cpu_pool(saved[2])
     jax.clear_caches()
 
 
@@ -306,9 +309,13 @@ def _threaded_and_single(cpu_threads, run):
     cpu_threads(1)
     single = jax.tree.map(np.asarray, run())
     cpu_threads(3)  # more workers than cores is fine: the slices are what is tested
-    before = LAUNCHER.impl.twins.threaded_launches()
+    twins = LAUNCHER.impl.twins
+    before, tasks_before = twins.threaded_launches(), twins.xla_pool_tasks()
     threaded = jax.tree.map(np.asarray, run())
-    return single, threaded, LAUNCHER.impl.twins.threaded_launches() - before
+    launches = twins.threaded_launches() - before
+    if twins.cpu_pool == "xla" and launches:  # the slices went to XLA's pool (this jaxlib offers it), not ours
+        assert twins.xla_pool_tasks() > tasks_before
+    return single, threaded, launches
 
 
 def test_private_rows_analysis():
@@ -851,16 +858,19 @@ print("THREADED", threaded, "SAME", same, "ERR", err)
 """
 
 
-def test_split_launches_with_more_threads_than_cpus_are_reproducible_and_right():
+@pytest.mark.parametrize("pool", ["warpnn", "xla"])
+def test_split_launches_with_more_threads_than_cpus_are_reproducible_and_right(pool):
     """Six pool threads on one CPU: any thread may run any slice (the caller those no worker has claimed yet), and a
     slice's partial buffer belongs to the slice, so every run sums the same partials in the same order: the heat scan
     and a spring-force scatter's gradient come out bitwise the same four times, and match pure JAX. A worker that
-    wakes late for a launch claims nothing of it (subprocess: the pool is per process)."""
+    wakes late for a launch claims nothing of it (subprocess: the pool is per process). On XLA's pool, where the
+    runners handed over may wait behind XLA's own work, the caller covers what they have not claimed."""
     import os
 
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("needs os.sched_setaffinity (Linux)")
-    stdout = _run_native_script(_OVERSUBSCRIBED_SCRIPT, WARPNN_CPU_THREADS="6", WARPNN_CPU_MIN_WORK="1")
+    stdout = _run_native_script(_OVERSUBSCRIBED_SCRIPT, WARPNN_CPU_THREADS="6", WARPNN_CPU_MIN_WORK="1",
+                                WARPNN_CPU_POOL=pool)
     words = stdout.split("THREADED")[-1].split()
     assert int(words[0]) >= 4 * 20 + 4, stdout  # the scans' launches and the gradients' adjoints split
     assert words[2] == "True", stdout
@@ -889,12 +899,14 @@ def test_a_big_cpu_result_is_zeroed_whole_on_every_call():
     assert stdout.split("BAD")[-1].split()[0] == "0", stdout
 
 
-@pytest.mark.parametrize("spin_us", ["0", "100", "100000"])
-def test_the_cpu_pool_hands_over_launches_with_and_without_polling(spin_us):
+@pytest.mark.parametrize("spin_us,pool", [("0", "warpnn"), ("100", "warpnn"), ("100000", "warpnn"), ("0", "xla"),
+                                          ("100", "xla")])
+def test_the_cpu_pool_hands_over_launches_with_and_without_polling(spin_us, pool):
     """$WARPNN_CPU_SPIN_US: how long idle workers (and the caller) poll before sleeping. Every setting, from sleeping
-    at once to polling for 0.1 s, runs a scan's back-to-back split launches to the same result (subprocess: the
-    setting is read once per process)."""
-    stdout = _run_native_script(_POOL_SCRIPT, WARPNN_CPU_SPIN_US=spin_us, WARPNN_CPU_THREADS="3", WARPNN_CPU_MIN_WORK="1")
+    at once to polling for 0.1 s, runs a scan's back-to-back split launches to the same result, on warpnn's pool and
+    on XLA's (subprocess: the setting is read once per process)."""
+    stdout = _run_native_script(_POOL_SCRIPT, WARPNN_CPU_SPIN_US=spin_us, WARPNN_CPU_THREADS="3", WARPNN_CPU_MIN_WORK="1",
+                                WARPNN_CPU_POOL=pool)
     words = stdout.split("THREADED")[-1].split()
     assert int(words[0]) == 20, stdout  # every launch of the scan split across the pool
     assert float(words[2]) < 1e-5, stdout

@@ -646,6 +646,8 @@ PARTIAL_BUDGET_ENV = "WARPNN_CPU_PARTIAL_BYTES"  # partial-buffer bytes per laun
 DEFAULT_PARTIAL_BUDGET = 64  # measured: docs/benchmarks-speed-cpu.md ("The partial budget")
 SLICES_ENV = "WARPNN_CPU_SLICES_PER_THREAD"  # slices per worker of a split launch (windowed or no partial buffers)
 DEFAULT_SLICES_PER_WORKER = 1
+POOL_ENV = "WARPNN_CPU_POOL"  # whose threads run split launches: "warpnn" (its own pool) or "xla" (XLA's intra-op pool)
+DEFAULT_POOL = "warpnn"
 
 
 def cpu_thread_config() -> tuple[int, int]:
@@ -803,6 +805,9 @@ def declare_native(lib) -> None:
     lib.warpnn_partial_rows.restype = c.c_int64
     lib.warpnn_set_cpu_partial_budget.argtypes = [c.c_int64]
     lib.warpnn_set_cpu_partial_budget.restype = None
+    lib.warpnn_set_cpu_pool_xla.argtypes = [c.c_int32]
+    lib.warpnn_set_cpu_pool_xla.restype = None
+    lib.warpnn_xla_pool_tasks.restype = c.c_int64
     lib.warpnn_set_cpu_slices_per_worker.argtypes = [c.c_int32]
     lib.warpnn_set_cpu_slices_per_worker.restype = None
     lib.warpnn_cpu_profile.argtypes = [c.POINTER(c.c_int64)]
@@ -847,6 +852,7 @@ class NativeTwins:
         self.set_cpu_threads(*cpu_thread_config())
         self.set_cpu_partial_budget(_env_int(PARTIAL_BUDGET_ENV, DEFAULT_PARTIAL_BUDGET))
         self.set_cpu_slices_per_worker(_env_int(SLICES_ENV, DEFAULT_SLICES_PER_WORKER))
+        self.set_cpu_pool(os.environ.get(POOL_ENV, DEFAULT_POOL))
 
     def set_cpu_threads(self, threads: int, min_work: int | None = None) -> None:
         """Threads for one CPU launch (1: every launch on XLA's calling thread) and the elements per thread
@@ -861,6 +867,15 @@ class NativeTwins:
         a launch whose scatters need more runs on fewer workers (``$WARPNN_CPU_PARTIAL_BYTES``)."""
         self._lib.warpnn_set_cpu_partial_budget(int(bytes_per_thread))
 
+    def set_cpu_pool(self, pool: str) -> None:
+        """Whose threads run the slices of split CPU launches: ``"warpnn"`` (a pool of its own) or ``"xla"`` (XLA's
+        intra-op pool, through the FFI's ``ThreadPool_Schedule``, where the running jaxlib offers it; else
+        warpnn's). ``$WARPNN_CPU_POOL``; read at every launch."""
+        if pool not in ("warpnn", "xla"):
+            raise ValueError(f"warpnn: CPU pool {pool!r} (${POOL_ENV}): expected 'warpnn' or 'xla'")
+        self.cpu_pool = pool
+        self._lib.warpnn_set_cpu_pool_xla(int(pool == "xla"))
+
     def set_cpu_slices_per_worker(self, slices: int) -> None:
         """Slices per worker of a split CPU launch (1 to 64; ``$WARPNN_CPU_SLICES_PER_THREAD``): threads claim
         slices as they come, so finer slices let a slowed-down thread take fewer. Read at every launch."""
@@ -872,6 +887,10 @@ class NativeTwins:
 
     def threaded_launches(self) -> int:
         return self._lib.warpnn_threaded_launches()
+
+    def xla_pool_tasks(self) -> int:
+        """Slice runners handed to XLA's intra-op thread pool (``$WARPNN_CPU_POOL=xla``), since the start."""
+        return self._lib.warpnn_xla_pool_tasks()
 
     def partial_rows(self) -> int:
         """Rows of per-worker partial buffers that threaded CPU launches zeroed and summed, since the start."""

@@ -658,10 +658,19 @@ static _Atomic int g_pool_pending;          /* slices of the current job not fin
  * waited for every worker's time slice: 18x slower than one thread under a compiler on the other core. A worker
  * late for its job claims nothing: its generation no longer matches. */
 static _Atomic uint64_t g_pool_claim;
-static pool_fn g_job_fn;
-static void* g_job_ctx;
-static int g_job_slices;
-static int g_job_threads; /* caller included: workers with a higher index sit the job out */
+/* The current job: written before its generation is published, read by a thread only once it has claimed one of
+ * the job's slices (the job cannot end before that slice does) or, for the thread count, under g_pool_mu. */
+static _Atomic(pool_fn) g_job_fn;
+static _Atomic(void*) g_job_ctx;
+static _Atomic int g_job_slices;
+static int g_job_threads; /* caller included: workers with a higher index sit the job out (under g_pool_mu) */
+/* Run slices on XLA's own intra-op thread pool (XLA_FFI_ThreadPool_Schedule) instead of warpnn's threads
+ * (WARPNN_CPU_POOL=xla): no second set of threads competing with XLA's for the cores. The API and execution context
+ * of the CPU call being handled, set under g_cpu_launch_lock for its launches. */
+static _Atomic int g_use_xla_pool;
+static _Atomic int64_t g_xla_pool_tasks; /* runners XLA's pool accepted (tests check the path is taken) */
+static const XLA_FFI_Api* g_xla_api;
+static XLA_FFI_ExecutionContext* g_xla_ctx;
 static _Atomic int64_t g_threaded_launches;
 static _Atomic int64_t g_partial_rows; /* rows of partial buffers zeroed (and summed) by threaded launches */
 /* Where CPU handler time goes (WARPNN_CPU_PROFILE=1 at load; off, each phase costs a branch): calls, ns in the
@@ -722,21 +731,73 @@ static int spin_until(_Atomic uint64_t* generation, uint64_t from, _Atomic int* 
     }
 }
 
-/* Claims and runs slices of job `generation` until none is left. */
-static void run_slices(uint64_t generation, pool_fn fn, void* ctx, int n) {
+/* Claims and runs slices of job `generation` until none is left; a thread arriving after the job has ended (its
+ * generation no longer in the claim word) touches nothing of it. */
+static void run_slices(uint64_t generation) {
     const uint64_t tag = (generation & 0xffffffffu) << 32;
     for (;;) {
         uint64_t claim = atomic_load_explicit(&g_pool_claim, memory_order_acquire);
+        int n;
         do {
-            if ((claim & ~(uint64_t)0xffffffffu) != tag || (claim & 0xffffffffu) >= (uint64_t)n) return;
+            if ((claim & ~(uint64_t)0xffffffffu) != tag) return;
+            n = atomic_load_explicit(&g_job_slices, memory_order_relaxed);
+            if ((claim & 0xffffffffu) >= (uint64_t)n) return;
         } while (!atomic_compare_exchange_weak_explicit(&g_pool_claim, &claim, claim + 1, memory_order_acq_rel,
                                                         memory_order_acquire));
-        fn(ctx, (int)(claim & 0xffffffffu), n);
+        pool_fn fn = atomic_load_explicit(&g_job_fn, memory_order_relaxed);
+        fn(atomic_load_explicit(&g_job_ctx, memory_order_relaxed), (int)(claim & 0xffffffffu), n);
         if (atomic_fetch_sub_explicit(&g_pool_pending, 1, memory_order_acq_rel) == 1) {
             pthread_mutex_lock(&g_pool_mu); /* the caller may be asleep: it checks pending under this lock */
             pthread_cond_signal(&g_pool_done);
             pthread_mutex_unlock(&g_pool_mu);
         }
+    }
+}
+
+/* A task on XLA's pool: the generation travels in the pointer, so a task XLA runs late reads no freed memory. */
+static void xla_pool_task(void* data) { run_slices((uint64_t)(uintptr_t)data); }
+
+/* CPU launches one at a time (the pool, its job and the scratch are shared), with the call's XLA at hand. */
+static void cpu_launch_lock(XLA_FFI_CallFrame* frame) {
+    pthread_mutex_lock(&g_cpu_launch_lock);
+    g_xla_api = frame->api;
+    g_xla_ctx = frame->ctx;
+}
+
+static void cpu_launch_unlock(void) {
+    g_xla_api = NULL;
+    g_xla_ctx = NULL;
+    pthread_mutex_unlock(&g_cpu_launch_lock);
+}
+
+/* Whether this call's XLA offers its thread pool (a newer API than the oldest jaxlib this builds against may not). */
+static int xla_pool_usable(void) {
+    const XLA_FFI_Api* api = g_xla_api;
+    return atomic_load(&g_use_xla_pool) && api && g_xla_ctx &&
+           api->struct_size >= offsetof(XLA_FFI_Api, XLA_FFI_ThreadPool_Schedule) + sizeof(void*) &&
+           api->XLA_FFI_ThreadPool_Schedule;
+}
+
+/* Hands up to `tasks` runners of job `generation` to XLA's pool; stops at the first refusal (the caller runs what
+ * nobody claims). */
+static void schedule_on_xla_pool(uint64_t generation, int tasks) {
+    for (int k = 0; k < tasks; ++k) {
+        XLA_FFI_ThreadPool_Schedule_Args args;
+        memset(&args, 0, sizeof(args));
+        args.struct_size = XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE;
+        args.ctx = g_xla_ctx;
+        args.task = xla_pool_task;
+        args.data = (void*)(uintptr_t)generation;
+        XLA_FFI_Error* error = g_xla_api->XLA_FFI_ThreadPool_Schedule(&args);
+        if (error) {
+            XLA_FFI_Error_Destroy_Args destroy;
+            memset(&destroy, 0, sizeof(destroy));
+            destroy.struct_size = XLA_FFI_Error_Destroy_Args_STRUCT_SIZE;
+            destroy.error = error;
+            g_xla_api->XLA_FFI_Error_Destroy(&destroy);
+            return;
+        }
+        atomic_fetch_add_explicit(&g_xla_pool_tasks, 1, memory_order_relaxed);
     }
 }
 
@@ -748,12 +809,10 @@ static void* pool_main(void* arg) {
         pthread_mutex_lock(&g_pool_mu);
         while (atomic_load(&g_pool_generation) == seen) pthread_cond_wait(&g_pool_start, &g_pool_mu);
         seen = atomic_load(&g_pool_generation);
-        pool_fn fn = g_job_fn;
-        void* ctx = g_job_ctx;
-        int n = g_job_slices, threads = g_job_threads;
+        int threads = g_job_threads;
         pthread_mutex_unlock(&g_pool_mu);
         if (index >= threads) continue;
-        run_slices(seen, fn, ctx, n);
+        run_slices(seen);
     }
     return NULL;
 }
@@ -763,7 +822,20 @@ static void* pool_main(void* arg) {
  * asked, when thread creation fails, still cover the job). */
 static void pool_run(pool_fn fn, void* ctx, int n, int threads) {
     if (threads > n) threads = n;
-    if (threads > 1) {
+    if (threads > 1 && xla_pool_usable()) {
+        pthread_mutex_lock(&g_pool_mu);
+        atomic_store(&g_job_fn, fn);
+        atomic_store(&g_job_ctx, ctx);
+        atomic_store(&g_job_slices, n);
+        g_job_threads = 1; /* warpnn's own workers, if any were started, sit it out */
+        uint64_t generation = atomic_load(&g_pool_generation) + 1;
+        atomic_store(&g_pool_pending, n);
+        atomic_store(&g_pool_claim, (generation & 0xffffffffu) << 32);
+        atomic_store(&g_pool_generation, generation);
+        pthread_mutex_unlock(&g_pool_mu);
+        schedule_on_xla_pool(generation, threads - 1);
+        run_slices(generation);
+    } else if (threads > 1) {
         pthread_mutex_lock(&g_pool_mu);
         if (g_spin_ns < 0) {
             const char* us = getenv("WARPNN_CPU_SPIN_US");
@@ -781,9 +853,9 @@ static void pool_run(pool_fn fn, void* ctx, int n, int threads) {
         }
         if (threads - 1 > g_pool_started) threads = g_pool_started + 1;
         if (threads > 1) {
-            g_job_fn = fn;
-            g_job_ctx = ctx;
-            g_job_slices = n;
+            atomic_store(&g_job_fn, fn);
+            atomic_store(&g_job_ctx, ctx);
+            atomic_store(&g_job_slices, n);
             g_job_threads = threads;
             uint64_t generation = atomic_load(&g_pool_generation) + 1;
             atomic_store(&g_pool_pending, n);
@@ -791,7 +863,7 @@ static void pool_run(pool_fn fn, void* ctx, int n, int threads) {
             atomic_store(&g_pool_generation, generation);
             pthread_cond_broadcast(&g_pool_start);
             pthread_mutex_unlock(&g_pool_mu);
-            run_slices(generation, fn, ctx, n);
+            run_slices(generation);
         } else {
             pthread_mutex_unlock(&g_pool_mu);
         }
@@ -812,6 +884,11 @@ WARPNN_EXPORT void warpnn_set_cpu_threads(int32_t threads, int64_t min_per_worke
     atomic_store(&g_cpu_threads, threads < 1 ? 1 : threads > kMaxWorkers ? kMaxWorkers : threads);
     if (min_per_worker > 0) atomic_store(&g_min_per_worker, min_per_worker);
 }
+
+/* 1: split launches run on XLA's intra-op thread pool where the call's XLA offers it; 0: on warpnn's own threads. */
+WARPNN_EXPORT void warpnn_set_cpu_pool_xla(int32_t on) { atomic_store(&g_use_xla_pool, on != 0); }
+
+WARPNN_EXPORT int64_t warpnn_xla_pool_tasks(void) { return atomic_load_explicit(&g_xla_pool_tasks, memory_order_relaxed); }
 
 /* Slices per worker of a split launch (1 to 64). */
 WARPNN_EXPORT void warpnn_set_cpu_slices_per_worker(int32_t slices) {
@@ -1803,10 +1880,10 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
                    /* a grad alias is addressed with its primal's strides: the same batch stride, or the loop */
                    (arrays[k].grad_from < 0 || arrays[arrays[k].grad_from].flat_stride == arrays[k].flat_stride);
         if (flat) {
-            if (!cuda) pthread_mutex_lock(&g_cpu_launch_lock); /* also guards the thread pool and its scratch */
+            if (!cuda) cpu_launch_lock(frame); /* also guards the thread pool and its scratch */
             error = launch_twin(api, d, twin, te, tfn, mode, cuda, ordinal, stream, driver, dims_attr, num_batch,
                                 frame, args_struct, adj_struct, args_bytes, arrays, num_arrays);
-            if (!cuda) pthread_mutex_unlock(&g_cpu_launch_lock);
+            if (!cuda) cpu_launch_unlock();
             goto done;
         }
     }
@@ -1819,7 +1896,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
     cuda_launch_fn launch = cuda ? atomic_load(&g_cuda_launch) : NULL;
     if (cuda && !launch)
         FAIL(XLA_FFI_Error_Code_FAILED_PRECONDITION, "warpnn: kernel '%s': Warp's CUDA launcher is not set", kname);
-    if (!cuda) pthread_mutex_lock(&g_cpu_launch_lock);
+    if (!cuda) cpu_launch_lock(frame);
     if (!cuda && !cpu_blocks && num_batch > 1 && !atomic_load(&d->cpu_serial)) { /* the batch's elements on the CPU threads */
         int threads = atomic_load(&g_cpu_threads);
         uint64_t by_work = total * (uint64_t)num_batch / (uint64_t)min_work_per_worker(mode);
@@ -1888,7 +1965,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
             index[j] = 0;
         }
     }
-    if (!cuda) pthread_mutex_unlock(&g_cpu_launch_lock);
+    if (!cuda) cpu_launch_unlock();
 
 done:
 #undef FAIL
