@@ -898,8 +898,9 @@ class NativeTwins:
 
     def cpu_profile(self) -> dict[str, int]:
         """Where the CPU handler's time went since the last call (counters then zeroed): handler calls, and ns in
-        the handler, zeroing results, split launches (the caller's wait for the slices included) and summing their
-        partial buffers; the split launches' slices and the ns their kernels ran, summed over threads. Counted only when ``$WARPNN_CPU_PROFILE`` is set (non-zero) in the process."""
+        the handler, zeroing results, a twin's launches (a split one with the caller's wait for its slices) and
+        summing their partial buffers; the launches' slices (an unsplit launch is one) and the ns their kernels
+        ran, summed over threads. Counted only when ``$WARPNN_CPU_PROFILE`` is set (non-zero) in the process."""
         counters = (ctypes.c_int64 * len(_PROFILE_PHASES))()
         self._lib.warpnn_cpu_profile(counters)
         return dict(zip(_PROFILE_PHASES, counters))

@@ -674,8 +674,9 @@ static XLA_FFI_ExecutionContext* g_xla_ctx;
 static _Atomic int64_t g_threaded_launches;
 static _Atomic int64_t g_partial_rows; /* rows of partial buffers zeroed (and summed) by threaded launches */
 /* Where CPU handler time goes (WARPNN_CPU_PROFILE=1 at load; off, each phase costs a branch): calls, ns in the
- * handler, zeroing results, split launches (the caller's wait included), their partial sums; the split launches'
- * slices and the ns their kernels ran (summed over threads: ns / launch ns = threads busy on average). */
+ * handler, zeroing results, a twin's launches (split ones with the caller's wait), their partial sums; the
+ * launches' slices (an unsplit launch is one) and the ns their kernels ran (summed over threads: ns / launch ns =
+ * threads busy on average). A per-element loop under vmap counts in the handler only. */
 enum { kProfCalls, kProfHandler, kProfZero, kProfLaunch, kProfReduce, kProfSlices, kProfSliceNs, kProfCount };
 static _Atomic int64_t g_profile[kProfCount];
 static int g_profile_on = -1;
@@ -1461,10 +1462,16 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
         workers = 1;
     }
     if (workers < 2) {
+        int64_t t = profile_start();
         if (mode)
             ((cpu_backward_fn)fn)(bounds, args_struct, adj_struct);
         else
             ((cpu_forward_fn)fn)(bounds, args_struct);
+        if (t) { /* one slice, the whole launch */
+            atomic_fetch_add_explicit(&g_profile[kProfSlices], 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&g_profile[kProfSliceNs], now_ns() - t, memory_order_relaxed);
+        }
+        profile_add(kProfLaunch, t);
         return NULL;
     }
     int slices = slices_for(workers, c.extent, partial_stride, all_windowed);
