@@ -78,11 +78,14 @@ class _Split:
     def __init__(self, call: _Threads, slices: int, min_work: int, pool: str):
         self.call, self.slices, self.min_work, self.pool = call, slices, min_work, pool
 
-    def __call__(self, *args):
+    def apply(self) -> None:
         twins = LAUNCHER.impl.twins
         twins.set_cpu_threads(self.call.threads, self.min_work)
         twins.set_cpu_slices_per_worker(self.slices)
         twins.set_cpu_pool(self.pool)
+
+    def __call__(self, *args):
+        self.apply()
         return self.call.compiled(*args)
 
 
@@ -96,40 +99,38 @@ def parse_settings(text: str) -> list[tuple[int, int, str]]:
 
 
 def ab(size: int, threads: int, settings, steps: int, springs: int = 0) -> list[dict]:
-    rows = []
+    rows, splits = [], []
     for direction, (ours, ref, args, n_steps) in _cases(size, steps, springs).items():
         call = _Threads(ours, args, threads)
-        cases = {":".join(map(str, setting)): (_Split(call, *setting), args) for setting in settings}
+        splits = [_Split(call, *setting) for setting in settings]
+        cases = {":".join(map(str, setting)): (split, args) for setting, split in zip(settings, splits)}
         if ref is not None:
             cases["pure JAX"] = (jax.jit(ref).lower(*args).compile(), args)
         times = time_interleaved(cases, rounds=10, per_round=3)
         rows.append({"direction": direction, **{k: t / n_steps * 1e6 for k, t in times.items()}})
         print(rows[-1], flush=True)
-    twins = LAUNCHER.impl.twins
-    twins.set_cpu_threads(threads, settings[0][1])
-    twins.set_cpu_slices_per_worker(settings[0][0])
-    twins.set_cpu_pool(settings[0][2])
+    splits[0].apply()  # leave the first setting in force
     return rows
 
 
 def profile(size: int, thread_counts, calls: int, steps: int, springs: int = 0) -> list[dict]:
     twins = LAUNCHER.impl.twins
     rows = []
-    for direction, (ours, ref, args, steps) in _cases(size, steps, springs).items():
+    for direction, (ours, ref, args, n_steps) in _cases(size, steps, springs).items():
         pure = jax.jit(ref).lower(*args).compile() if ref is not None else None
         for threads in thread_counts:
             call = _Threads(ours, args, threads)
             jax.block_until_ready(call(*args))
             twins.cpu_profile()  # zero the counters
-            step = _per_step(call, args, calls, steps)
+            step = _per_step(call, args, calls, n_steps)
             prof = twins.cpu_profile()
             per = max(prof["calls"], 1)
             handler = prof["handler_ns"] / per / 1e3
             parts = {k: prof[f"{k}_ns"] / per / 1e3 for k in ("zero", "launch", "reduce")}
-            handler_per_step = prof["handler_ns"] / 1e3 / (calls + 1) / steps
+            handler_per_step = prof["handler_ns"] / 1e3 / (calls + 1) / n_steps
             rows.append({"direction": direction, "threads": threads, "step_us": step,
-                         "pure_jax_step_us": _per_step(pure, args, calls, steps) if pure else float("nan"),
-                         "handler_calls_per_step": prof["calls"] / (calls + 1) / steps,
+                         "pure_jax_step_us": _per_step(pure, args, calls, n_steps) if pure else float("nan"),
+                         "handler_calls_per_step": prof["calls"] / (calls + 1) / n_steps,
                          "handler_us": handler, **{f"{k}_us": v for k, v in parts.items()},
                          "setup_us": handler - sum(parts.values()),
                          # slices' kernel time over the launch's: how many threads were busy on average

@@ -318,6 +318,15 @@ def _threaded_and_single(cpu_threads, run):
     return single, threaded, launches
 
 
+def test_cpu_pool_setting_names_what_it_accepts():
+    if LAUNCHER.name != "native":
+        pytest.skip("the CPU pool is the native launcher's")
+    twins = LAUNCHER.impl.twins
+    with pytest.raises(ValueError, match="WARPNN_CPU_POOL.*expected 'warpnn' or 'xla'"):
+        twins.set_cpu_pool("openmp")
+    assert twins.cpu_pool in ("warpnn", "xla")  # unchanged by the refusal
+
+
 def test_private_rows_analysis():
     from warpnn._signature import signature_of
 

@@ -707,6 +707,13 @@ static void profile_add(int phase, int64_t since) {
     if (since) atomic_fetch_add_explicit(&g_profile[phase], now_ns() - since, memory_order_relaxed);
 }
 
+/* One slice's kernel run since `since` (0: not profiling). */
+static void profile_slice(int64_t since) {
+    if (!since) return;
+    atomic_fetch_add_explicit(&g_profile[kProfSlices], 1, memory_order_relaxed);
+    profile_add(kProfSliceNs, since);
+}
+
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -818,6 +825,20 @@ static void* pool_main(void* arg) {
     return NULL;
 }
 
+/* Under g_pool_mu: makes fn(ctx, w, n) the current job, for the caller and warpnn's workers with an index below
+ * `threads` (caller included), and publishes it; returns its generation. */
+static uint64_t publish_job(pool_fn fn, void* ctx, int n, int threads) {
+    atomic_store(&g_job_fn, fn);
+    atomic_store(&g_job_ctx, ctx);
+    atomic_store(&g_job_slices, n);
+    g_job_threads = threads;
+    uint64_t generation = atomic_load(&g_pool_generation) + 1;
+    atomic_store(&g_pool_pending, n);
+    atomic_store(&g_pool_claim, (generation & 0xffffffffu) << 32);
+    atomic_store(&g_pool_generation, generation);
+    return generation;
+}
+
 /* Runs fn(ctx, w, n) for the slices w = 0..n-1 on the calling thread and up to threads - 1 of the pool's workers,
  * whichever claims each first. Every slice runs (the caller runs those nobody else claimed, so fewer workers than
  * asked, when thread creation fails, still cover the job). */
@@ -825,14 +846,7 @@ static void pool_run(pool_fn fn, void* ctx, int n, int threads) {
     if (threads > n) threads = n;
     if (threads > 1 && xla_pool_usable()) {
         pthread_mutex_lock(&g_pool_mu);
-        atomic_store(&g_job_fn, fn);
-        atomic_store(&g_job_ctx, ctx);
-        atomic_store(&g_job_slices, n);
-        g_job_threads = 1; /* warpnn's own workers, if any were started, sit it out */
-        uint64_t generation = atomic_load(&g_pool_generation) + 1;
-        atomic_store(&g_pool_pending, n);
-        atomic_store(&g_pool_claim, (generation & 0xffffffffu) << 32);
-        atomic_store(&g_pool_generation, generation);
+        uint64_t generation = publish_job(fn, ctx, n, 1); /* warpnn's own workers, if any were started, sit it out */
         pthread_mutex_unlock(&g_pool_mu);
         schedule_on_xla_pool(generation, threads - 1);
         run_slices(generation);
@@ -854,14 +868,7 @@ static void pool_run(pool_fn fn, void* ctx, int n, int threads) {
         }
         if (threads - 1 > g_pool_started) threads = g_pool_started + 1;
         if (threads > 1) {
-            atomic_store(&g_job_fn, fn);
-            atomic_store(&g_job_ctx, ctx);
-            atomic_store(&g_job_slices, n);
-            g_job_threads = threads;
-            uint64_t generation = atomic_load(&g_pool_generation) + 1;
-            atomic_store(&g_pool_pending, n);
-            atomic_store(&g_pool_claim, (generation & 0xffffffffu) << 32);
-            atomic_store(&g_pool_generation, generation);
+            uint64_t generation = publish_job(fn, ctx, n, threads);
             pthread_cond_broadcast(&g_pool_start);
             pthread_mutex_unlock(&g_pool_mu);
             run_slices(generation);
@@ -1148,8 +1155,7 @@ static void cpu_split_launch(void* ctx_, int w, int n) {
             ((cpu_backward_fn)c->fn)(bounds, args, adj);
         else
             ((cpu_forward_fn)c->fn)(bounds, args);
-        if (t) atomic_fetch_add_explicit(&g_profile[kProfSlices], 1, memory_order_relaxed);
-        profile_add(kProfSliceNs, t);
+        profile_slice(t);
     }
 }
 
@@ -1467,10 +1473,7 @@ static XLA_FFI_Error* launch_twin(const XLA_FFI_Api* api, const KernelDesc* d, c
             ((cpu_backward_fn)fn)(bounds, args_struct, adj_struct);
         else
             ((cpu_forward_fn)fn)(bounds, args_struct);
-        if (t) { /* one slice, the whole launch */
-            atomic_fetch_add_explicit(&g_profile[kProfSlices], 1, memory_order_relaxed);
-            atomic_fetch_add_explicit(&g_profile[kProfSliceNs], now_ns() - t, memory_order_relaxed);
-        }
+        profile_slice(t); /* one slice, the whole launch */
         profile_add(kProfLaunch, t);
         return NULL;
     }
