@@ -825,6 +825,14 @@ static void* pool_main(void* arg) {
     return NULL;
 }
 
+/* Under g_pool_mu: how long the caller (and warpnn's workers) poll before sleeping, from WARPNN_CPU_SPIN_US once. */
+static void read_spin_setting(void) {
+    if (g_spin_ns < 0) {
+        const char* us = getenv("WARPNN_CPU_SPIN_US");
+        g_spin_ns = (us && *us ? strtoll(us, NULL, 10) : 100) * 1000;
+    }
+}
+
 /* Under g_pool_mu: makes fn(ctx, w, n) the current job, for the caller and warpnn's workers with an index below
  * `threads` (caller included), and publishes it; returns its generation. */
 static uint64_t publish_job(pool_fn fn, void* ctx, int n, int threads) {
@@ -846,16 +854,14 @@ static void pool_run(pool_fn fn, void* ctx, int n, int threads) {
     if (threads > n) threads = n;
     if (threads > 1 && xla_pool_usable()) {
         pthread_mutex_lock(&g_pool_mu);
+        read_spin_setting(); /* the caller's wait for XLA's runners polls too */
         uint64_t generation = publish_job(fn, ctx, n, 1); /* warpnn's own workers, if any were started, sit it out */
         pthread_mutex_unlock(&g_pool_mu);
         schedule_on_xla_pool(generation, threads - 1);
         run_slices(generation);
     } else if (threads > 1) {
         pthread_mutex_lock(&g_pool_mu);
-        if (g_spin_ns < 0) {
-            const char* us = getenv("WARPNN_CPU_SPIN_US");
-            g_spin_ns = (us && *us ? strtoll(us, NULL, 10) : 100) * 1000;
-        }
+        read_spin_setting();
         while (g_pool_started < threads - 1 && g_pool_started < kMaxWorkers - 1) {
             pthread_t t;
             pthread_attr_t attr;
