@@ -120,6 +120,15 @@ IN_PLACE_MESSAGE = (
     "`out[i] += value` / wp.atomic_add, or write the results to a separate output array."
 )
 
+REPLAY_WRITE_MESSAGE = (
+    "Kernel '{key}' cannot be differentiated by warpnn: {problems}. Warp's adjoint kernel runs each @wp.func call "
+    "again before its adjoint, stores and atomics included, so it writes into the buffer it is given as that "
+    "array's value; in warpnn's adjoint call that buffer belongs to XLA (a cotangent or an input's value), and "
+    "the write would corrupt it and the gradient. The forward pass works as it is. Fix: return the value from the "
+    "@wp.func and store or accumulate it in the kernel body, or keep this kernel's inputs out of the gradient "
+    "(jax.lax.stop_gradient)."
+)
+
 INPUT_WRITE_MESSAGE = (
     "Kernel '{key}' writes its input array '{name}' ({where}). Inputs are buffers XLA owns (the caller's arrays, "
     "constants baked into the executable, values other operations still read), so warpnn never lets a kernel "
@@ -849,6 +858,9 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     if sig.reverse_problems:
         problems = "; ".join(f"array '{n}': {why}" for n, why in sig.reverse_problems.items())
         raise TypeError(IN_PLACE_MESSAGE.format(key=sig.key, problems=problems))
+    if sig.replay_writes:
+        problems = "; ".join(f"array '{n}': {why}" for n, why in sig.replay_writes.items())
+        raise TypeError(REPLAY_WRITE_MESSAGE.format(key=sig.key, problems=problems))
     if not sig.has_adjoint:
         raise TypeError(
             f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "

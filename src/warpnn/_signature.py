@@ -10,7 +10,6 @@ import ast
 import collections
 import dataclasses
 import functools
-import itertools
 from typing import Any
 
 import jax.numpy as jnp
@@ -18,6 +17,10 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
+from ._access import (  # noqa: F401 - re-exported for the twins that import them from here
+    _ACCUMULATE_BUILTINS, _READ_WRITE_BUILTINS, _STORE_BUILTINS, Access, ArrayUse, _callee_name, _fully_written,
+    _function_def, _names_visible_to, analyse_array_uses,
+)
 from warp._src.codegen import Struct
 
 
@@ -175,6 +178,19 @@ class KernelSignature:
                 if (problem := self.uses[s.name].in_place_problem()) is not None}
 
     @functools.cached_property
+    def replay_writes(self) -> dict[str, str]:
+        """Results written inside a ``@wp.func``, with where: Warp's adjoint replays each call's forward, stores
+        and atomics included, into the buffer it gets as the array's value (see ``_bridge.REPLAY_WRITE_MESSAGE``)."""
+        found = {}
+        for s in (*self.in_out, *self.outputs):
+            use = self.uses[s.name]
+            if use.undecided is not None and use.writes:
+                found[s.name] = f"warpnn cannot tell where the kernel writes it ({use.undecided})"
+            elif (a := use.written_in_function) is not None:
+                found[s.name] = f"it is written inside @wp.func '{a.via}' (called at line {a.line})"
+        return found
+
+    @functools.cached_property
     def outputs_read(self) -> tuple[str, ...]:
         """Pure outputs the kernel reads (it reads zeros it did not write, or values it wrote itself)."""
         return tuple(s.name for s in self.outputs if self.uses[s.name].reads)
@@ -233,12 +249,14 @@ class KernelSignature:
         the cotangent operand to it) and seen by Warp as the primal array's ``grad``, so that Warp's adjoint of a
         store zeroes the element it overwrote and the adjoint of a read adds to it: for an in-out array the
         result is the adjoint of its value before the launch. Float in-out arrays, and float outputs the kernel
-        reads or may store to twice; and the outputs of ``adjoints_in_place``, whose carried adjoint ends as their
-        input's adjoint.
+        reads, may store to twice or writes through a view (``orow = out[i]``, ``wp.atomic_add(out[w], j, v)``,
+        ``wp.tile_store(out[i], t)``: Warp's adjoint of a view finds the adjoint in the viewed array's ``grad``, and
+        zeroes what a store overwrote there, so that must be a buffer the call owns); and the outputs of
+        ``adjoints_in_place``, whose carried adjoint ends as their input's adjoint.
         """
         in_place = {y for _, y in self.adjoints_in_place}
         return tuple(a for a in self.float_results if a.name in self.in_out_names or a.name in in_place
-                     or self.uses[a.name].reads or self.uses[a.name].may_store_twice)
+                     or self.uses[a.name].reads or self.uses[a.name].may_store_twice or self.uses[a.name].viewed)
 
     @functools.cached_property
     def in_place_pairs(self) -> tuple[tuple[str, str], ...]:
@@ -408,71 +426,6 @@ class KernelSignature:
         return tuple(a.name for a in self.results)
 
 
-def _fully_written(tree: ast.AST, name: str) -> bool:
-    """Whether every path through the kernel stores ``name[tid...]`` (the thread's own element) before it ends,
-    and the kernel never mentions ``name`` otherwise.
-
-    Paths: an ``if`` whose branches both store covers the paths through it; an early ``return`` must come after
-    a store on its path (``if inactive: x_new[tid] = x0; return`` then ``x_new[tid] = x1``, as Newton writes
-    it); a store inside a loop, or a ``return`` inside one, does not count.
-    """
-    fn = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)), None)
-    if fn is None:
-        return False
-    tid_at = next((k for k, stmt in enumerate(fn.body) if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-                   and isinstance(stmt.value, ast.Call)
-                   and getattr(stmt.value.func, "attr", getattr(stmt.value.func, "id", None)) == "tid"), None)
-    if tid_at is None:
-        return False
-    target = fn.body[tid_at].targets[0]
-    names = target.elts if isinstance(target, ast.Tuple) else [target]
-    if not all(isinstance(n, ast.Name) for n in names):
-        return False
-    tid_vars = [n.id for n in names]
-    assigned = []  # plain names bound anywhere (not names used inside subscript targets)
-    for n in ast.walk(fn):
-        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
-        for t in targets:
-            assigned += [e.id for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name)]
-    if any(assigned.count(v) != 1 for v in tid_vars):  # a reassigned tid variable no longer names this thread's element
-        return False
-
-    def is_store(stmt: ast.stmt) -> bool:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript)):
-            return False
-        sub = stmt.targets[0]
-        if not (isinstance(sub.value, ast.Name) and sub.value.id == name):
-            return False
-        index = sub.slice.elts if isinstance(sub.slice, ast.Tuple) else [sub.slice]
-        return [getattr(i, "id", None) for i in index] == tid_vars
-
-    stores = 0
-
-    def covers(stmts: list[ast.stmt], stored: bool) -> str:
-        """"stored": every path through ``stmts`` has stored when it leaves them; "open": some have not;
-        "fail": one returns unstored."""
-        nonlocal stores
-        for stmt in stmts:
-            if is_store(stmt):
-                stores += 1
-                stored = True
-            elif isinstance(stmt, ast.Return):
-                return "stored" if stored else "fail"  # (what follows in this block never runs)
-            elif isinstance(stmt, ast.If):
-                body, orelse = covers(stmt.body, stored), covers(stmt.orelse, stored)
-                if "fail" in (body, orelse):
-                    return "fail"
-                stored = stored or body == orelse == "stored"
-            elif not stored and any(isinstance(n, ast.Return) for n in ast.walk(stmt)):
-                return "fail"  # a return inside a loop, before any store on its path
-        return "stored" if stored else "open"
-
-    if covers(fn.body[tid_at + 1:], False) != "stored":
-        return False
-    mentions = sum(isinstance(n, ast.Name) and n.id == name for n in ast.walk(fn))
-    return mentions == stores
-
-
 _ATOMIC_CALLS = {"atomic_add", "atomic_sub", "atomic_min", "atomic_max"}
 _METADATA_ATTRS = {"shape", "ndim", "strides", "size"}
 
@@ -617,396 +570,6 @@ def _slice_access(tree: ast.AST, names: list[str], ndims: dict[str, int] | None 
 # --------------------------------------------------------------------------------------------------
 # What a kernel does with each array parameter: the one analysis behind zeroing, in-out arrays, the
 # input-write check, reverse-mode correctness and launch-vs-shape checks.
-
-_ACCUMULATE_BUILTINS = {"atomic_add", "atomic_sub", "tile_atomic_add"}  # adjoints read, never write, the array
-_READ_WRITE_BUILTINS = {"atomic_min", "atomic_max", "atomic_exch", "atomic_cas", "atomic_and", "atomic_or", "atomic_xor"}
-_STORE_BUILTINS = {"tile_store", "array_store"}
-_NO_ACCESS_BUILTINS = {"len", "tid", "static"}
-_NO_ACCESS_ATTRIBUTES = {"shape", "ndim", "strides", "size", "dtype"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Access:
-    """One access of an array parameter in a kernel's source."""
-
-    kind: str  # "read" | "store" | "accumulate" | "read-write" (an atomic that returns and replaces)
-    line: int  # source line in the kernel (for a call into a @wp.func: the line of the call)
-    order: int  # program order (for a call into a @wp.func: the order within that call)
-    own_element: bool  # indexed exactly by the thread's wp.tid() coordinates
-    top_level: bool  # not under an `if`, a loop or inside a @wp.func
-    loops: tuple[int, ...]  # the loops (by id) around it
-    via: str | None = None  # the @wp.func it happens in, if any
-
-
-@dataclasses.dataclass(frozen=True)
-class ArrayUse:
-    """How a kernel uses one array parameter: every access found in its source and the functions it calls."""
-
-    name: str
-    accesses: tuple[Access, ...] = ()
-    undecided: str | None = None  # why the analysis could not tell (then assume it is read and written)
-    viewed: bool = False  # the kernel takes a row view of it (`r = a[i]` on a 2-D array)
-
-    @property
-    def reads(self) -> bool:
-        return self.undecided is not None or any(a.kind in ("read", "read-write") for a in self.accesses)
-
-    @property
-    def writes(self) -> bool:
-        return self.undecided is not None or any(a.kind != "read" for a in self.accesses)
-
-    @property
-    def stores(self) -> bool:
-        return any(a.kind in ("store", "read-write") for a in self.accesses)
-
-    def first(self, *kinds: str) -> Access | None:
-        return next((a for a in self.accesses if a.kind in kinds), None)
-
-    @property
-    def may_store_twice(self) -> bool:
-        """Whether one thread may store to the same element twice (two stores, or a store in a loop)."""
-        stores = [a for a in self.accesses if a.kind in ("store", "read-write")]
-        return len(stores) > 1 or any(a.loops for a in stores)
-
-    def in_place_problem(self) -> str | None:
-        """Why Warp's adjoint cannot differentiate this array as read *and* written by one launch, or None.
-
-        The adjoint replays the kernel against the values the array had before the launch (the launchers pass
-        them, and alias the array's gradient so Warp zeroes a stored element's adjoint as ``wp.Tape`` does). That
-        is the forward's view only if no thread reads a value any thread wrote in the same launch: every access
-        at the thread's own element, every read before every write, and no loop that both reads and writes.
-        """
-        if self.undecided is not None:
-            return f"warpnn cannot tell how the kernel uses it ({self.undecided})"
-        if not (self.reads and self.writes):
-            return None
-        if any(a.kind == "read-write" for a in self.accesses):
-            a = self.first("read-write")
-            return f"it is updated by an atomic that also reads it (line {a.line})"
-        stray = next((a for a in self.accesses if not a.own_element), None)
-        if stray is not None:
-            where = f" inside @wp.func '{stray.via}'" if stray.via else ""
-            return (f"it is both read and written, and line {stray.line}{where} touches an element other than the "
-                    "thread's own wp.tid() index, so a thread may read what another thread wrote")
-        last_read = max(a.order for a in self.accesses if a.kind == "read")
-        first_write = min(a.order for a in self.accesses if a.kind != "read")
-        if last_read > first_write:
-            read = max((a for a in self.accesses if a.kind == "read"), key=lambda a: a.order)
-            return f"line {read.line} reads it after the kernel wrote it, so the adjoint would replay a different value"
-        for loop in {l for a in self.accesses for l in a.loops}:
-            kinds = {a.kind for a in self.accesses if loop in a.loops}
-            if "read" in kinds and kinds - {"read"}:
-                return "a loop both reads and writes it"
-        return None
-
-
-def _callee_name(func: ast.AST) -> str | None:
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    if isinstance(func, ast.Name):
-        return func.id
-    return None
-
-
-class _UseCollector:
-    """Walks a kernel's (or @wp.func's) AST and records the accesses of its array parameters."""
-
-    def __init__(self, fn_globals: dict, arrays: dict[str, tuple[str, int]], tid_vars=None, call=None, depth=0,
-                 counter=None, line_offset=0, structs=None, struct_arrays=None):
-        self.globals = fn_globals
-        self.structs: dict[str, str] = dict(structs or {})  # local name -> struct parameter path ("s", "s.inner")
-        self.struct_arrays: dict[str, int] = struct_arrays or {}  # "s.x" -> ndim, for every array in a struct
-        self.counter = counter if counter is not None else itertools.count()
-        self.line_offset = line_offset  # kernel source line numbers -> file line numbers
-        self.env = dict(arrays)  # local name -> (kernel parameter, array ndim)
-        self.tid_vars: list[str] | None = tid_vars
-        self.call = call  # (line, position, loops, function name) of the call into this @wp.func, if any
-        self.depth = depth
-        self.found: dict[str, list[Access]] = {p: [] for p, _ in arrays.values()}
-        self.undecided: dict[str, str] = {}
-        self.views: set[str] = set()  # parameters the body takes row views of
-        self.loops: list[int] = []
-        self.conditional = 0
-
-    # -- recording
-
-    def _record(self, param: str, kind: str, node: ast.AST, index: list[ast.AST] | None, ndim: int):
-        if self.call is not None:  # inside a @wp.func: place the access at the call
-            line, loops, via = self.call
-            own, top = False, False
-            loops = (*loops, *self.loops)
-        else:
-            line, via = node.lineno + self.line_offset, None
-            own = index is not None and self.tid_vars is not None and len(index) == ndim == len(self.tid_vars) and [
-                getattr(i, "id", None) for i in index] == self.tid_vars
-            top, loops = not self.conditional and not self.loops, tuple(self.loops)
-        self.found.setdefault(param, []).append(Access(kind, line, next(self.counter), own, top, loops, via))
-
-    def _undecide(self, param: str, reason: str):
-        self.undecided.setdefault(param, reason)
-
-    def _array_of(self, node: ast.AST):
-        """(parameter, ndim, indices) if ``node`` is an array parameter (or alias) or a subscript of one."""
-        indices: list[ast.AST] = []
-        while isinstance(node, ast.Subscript):
-            s = node.slice
-            indices = [*(s.elts if isinstance(s, ast.Tuple) else [s]), *indices]
-            node = node.value
-        if isinstance(node, ast.Name) and node.id in self.env:
-            param, ndim = self.env[node.id]
-            return param, ndim, indices
-        path = self._struct_path(node)
-        if path is not None and path in self.struct_arrays:
-            return path, self.struct_arrays[path], indices
-        return None
-
-    def _struct_path(self, node: ast.AST) -> str | None:
-        """``"s.inner.w"`` for ``s.inner.w`` where ``s`` names a struct parameter (or a struct within one)."""
-        attrs = []
-        while isinstance(node, ast.Attribute):
-            attrs.append(node.attr)
-            node = node.value
-        if isinstance(node, ast.Name) and node.id in self.structs:
-            return ".".join([self.structs[node.id], *reversed(attrs)])
-        return None
-
-    def _struct_arrays_under(self, path: str) -> list[str]:
-        return [a for a in self.struct_arrays if a.startswith(path + ".")]
-
-    # -- statements
-
-    def body(self, stmts):
-        for stmt in stmts:
-            self.stmt(stmt)
-
-    def stmt(self, node: ast.stmt):
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            value = node.value
-            if value is None:
-                return
-            if (isinstance(value, ast.Call) and _callee_name(value.func) == "tid" and self.tid_vars is None
-                    and len(targets) == 1):
-                names = targets[0].elts if isinstance(targets[0], ast.Tuple) else [targets[0]]
-                if all(isinstance(n, ast.Name) for n in names):
-                    self.tid_vars = [n.id for n in names]
-                return
-            # an alias of a struct (`t = s`, `t = s.inner`), of an array (`b = a`) or a view (`row = a[i]`, 2-D a)
-            if len(targets) == 1 and isinstance(targets[0], ast.Name) and self._struct_path(value) is not None \
-                    and self._struct_path(value) not in self.struct_arrays:
-                self.structs[targets[0].id] = self._struct_path(value)
-                return
-            if len(targets) == 1 and isinstance(targets[0], ast.Name):
-                found = self._array_of(value)
-                if found is not None and len(found[2]) < found[1]:
-                    param, ndim, indices = found
-                    for i in indices:
-                        self.expr(i)
-                    self.env[targets[0].id] = (param, ndim - len(indices))
-                    if indices:
-                        self.views.add(param)
-                    return
-            self.expr(value)
-            for target in targets:
-                self.target(target, "store")
-        elif isinstance(node, ast.AugAssign):
-            found = self._array_of(node.target)
-            if found is not None:
-                kind = "accumulate" if isinstance(node.op, (ast.Add, ast.Sub)) else "read-write"
-                param, ndim, indices = found
-                for i in indices:
-                    self.expr(i)
-                self._record(param, kind, node, indices[:ndim], ndim)
-            elif isinstance(node.target, ast.Name) and node.target.id in self.env:
-                self._undecide(self.env[node.target.id][0], f"line {node.lineno} rebinds it")
-            self.expr(node.value)
-        elif isinstance(node, ast.If):
-            self.expr(node.test)
-            self.conditional += 1
-            self.body(node.body)
-            self.body(node.orelse)
-            self.conditional -= 1
-        elif isinstance(node, (ast.For, ast.While)):
-            self.expr(node.iter if isinstance(node, ast.For) else node.test)
-            self.loops.append(id(node))
-            self.body(node.body)
-            self.body(node.orelse)
-            self.loops.pop()
-        elif isinstance(node, ast.With):
-            self.body(node.body)
-        elif isinstance(node, ast.Expr):
-            self.expr(node.value)
-        elif isinstance(node, ast.Return):
-            if node.value is not None:
-                self.expr(node.value)
-        elif isinstance(node, (ast.FunctionDef,)):
-            self.body(node.body)
-        else:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.expr):
-                    self.expr(child)
-
-    def target(self, node: ast.AST, kind: str):
-        if isinstance(node, ast.Tuple):
-            for elt in node.elts:
-                self.target(elt, kind)
-            return
-        found = self._array_of(node)
-        if found is not None:
-            param, ndim, indices = found
-            for i in indices:
-                self.expr(i)
-            if not indices:
-                self._undecide(param, f"line {node.lineno} rebinds it")
-            else:
-                self._record(param, kind, node, indices[:ndim], ndim)
-        elif isinstance(node, ast.Subscript):  # v[0] = ... on a local vector
-            self.expr(node.slice)
-        elif isinstance(node, ast.Attribute):
-            self.expr(node.value)
-
-    # -- expressions
-
-    def expr(self, node: ast.AST):
-        if node is None:
-            return
-        found = self._array_of(node) if isinstance(node, (ast.Subscript, ast.Name, ast.Attribute)) else None
-        if found is not None:
-            param, ndim, indices = found
-            for i in indices:
-                self.expr(i)
-            self._record(param, "read", node, indices[:ndim] if indices else None, ndim)
-            return
-        if isinstance(node, ast.Attribute):
-            inner = self._array_of(node.value) if isinstance(node.value, (ast.Name, ast.Attribute)) else None
-            if inner is not None and node.attr in _NO_ACCESS_ATTRIBUTES:
-                return
-            if self._struct_path(node) is not None:  # a scalar field, or a struct passed on: no array access
-                return
-            self.expr(node.value)
-            return
-        if isinstance(node, ast.Call):
-            self.call_expr(node)
-            return
-        for child in ast.iter_child_nodes(node):
-            self.expr(child)
-
-    def _resolve(self, func: ast.AST):
-        """The Warp function a call names, or None; ``wp.x`` / ``warp.x`` name builtins."""
-        if isinstance(func, ast.Name):
-            return self.globals.get(func.id, getattr(builtins_module, func.id, None))
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
-            base = self.globals.get(func.value.id)
-            return getattr(base, func.attr, None) if base is not None else None
-        return None
-
-    def call_expr(self, node: ast.Call):
-        name = _callee_name(node.func)
-        args = list(node.args)
-        array_args = [(k, self._array_of(a)) for k, a in enumerate(args)]
-        array_args = [(k, f) for k, f in array_args if f is not None and not f[2]]  # whole arrays passed
-        struct_args = [(k, self._struct_path(a)) for k, a in enumerate(args)]
-        struct_args = [(k, p) for k, p in struct_args if p is not None and p not in self.struct_arrays]
-        if name in _NO_ACCESS_BUILTINS and isinstance(node.func, (ast.Name, ast.Attribute)):
-            for a in args:
-                if self._array_of(a) is None:
-                    self.expr(a)
-            return
-        target = self._resolve(node.func)
-        is_warp_function = target is not None and hasattr(target, "is_builtin")
-        if struct_args and not (is_warp_function and not target.is_builtin()):
-            for _, path in struct_args:
-                for leaf in self._struct_arrays_under(path):
-                    self._undecide(leaf, f"line {node.lineno} passes its struct to '{ast.unparse(node.func)}'")
-        if (array_args or struct_args) and is_warp_function and not target.is_builtin():
-            self._call_user_function(node, target, array_args, struct_args)
-        elif array_args and (is_warp_function or (target is None and isinstance(node.func, ast.Attribute))):
-            kind = ("accumulate" if name in _ACCUMULATE_BUILTINS else "read-write" if name in _READ_WRITE_BUILTINS
-                    else "store" if name in _STORE_BUILTINS else "read")
-            for k, (param, ndim, _) in array_args:
-                if k == 0 and kind != "read":
-                    index = args[1 : 1 + ndim] if name.startswith("atomic") else None
-                    self._record(param, kind, node, index, ndim)
-                else:
-                    self._record(param, "read", node, None, ndim)
-        elif array_args:
-            for _, (param, _, _) in array_args:
-                self._undecide(param, f"line {node.lineno} passes it to '{ast.unparse(node.func)}', which is not a Warp function")
-        passed = {k for k, _ in array_args} | {k for k, _ in struct_args}
-        for k, a in enumerate(args):
-            if k not in passed:
-                self.expr(a)
-        for kw in node.keywords:
-            found = self._array_of(kw.value)
-            if found is not None and not found[2]:
-                self._undecide(found[0], f"line {node.lineno} passes it by keyword to '{ast.unparse(node.func)}'")
-            else:
-                self.expr(kw.value)
-
-    def _call_user_function(self, node: ast.Call, fn, array_args, struct_args=()):
-        adj = getattr(fn, "adj", None)
-        tree = getattr(adj, "tree", None)
-        if tree is None or self.depth > 16 or getattr(fn, "native_snippet", None) or getattr(fn, "custom_grad_func", None):
-            for _, (param, _, _) in array_args:
-                self._undecide(param, f"line {node.lineno} passes it to @wp.func '{fn.key}', whose body warpnn cannot read")
-            for _, path in struct_args:
-                for leaf in self._struct_arrays_under(path):
-                    self._undecide(leaf, f"line {node.lineno} passes its struct to @wp.func '{fn.key}', whose body warpnn cannot read")
-            return
-        labels = [a.label for a in adj.args]
-        arrays = {}
-        for k, (param, ndim, _) in array_args:
-            if k < len(labels):
-                arrays[labels[k]] = (param, ndim)
-        # accesses inside the function are placed at the outermost call in the kernel
-        structs = {labels[k]: path for k, path in struct_args if k < len(labels)}
-        call = self.call or (node.lineno + self.line_offset, tuple(self.loops), fn.key)
-        inner = _UseCollector(_names_visible_to(fn.func), arrays, tid_vars=None, call=call, depth=self.depth + 1,
-                              counter=self.counter, structs=structs, struct_arrays=self.struct_arrays)
-        inner.loops = []
-        inner.body(_function_def(tree).body)
-        for param, accesses in inner.found.items():
-            self.found.setdefault(param, []).extend(accesses)
-        for param, reason in inner.undecided.items():
-            self._undecide(param, reason)
-        self.views |= inner.views
-
-
-import builtins as builtins_module  # noqa: E402 - only for resolving `len`, `range`, ... in kernels
-
-
-def _names_visible_to(fn) -> dict:
-    """The globals of a Python function plus its closure (kernels and @wp.func's defined inside functions)."""
-    names = dict(getattr(fn, "__globals__", {}))
-    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
-    for name, cell in zip(code.co_freevars if code else (), cells):
-        try:
-            names[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            pass
-    return names
-
-
-def _function_def(tree: ast.AST) -> ast.FunctionDef:
-    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
-
-
-def analyse_array_uses(kernel, specs) -> dict[str, ArrayUse]:
-    """How ``kernel`` uses each array parameter in ``specs`` (``ArgSpec`` s), from its source."""
-    arrays = {s.name: (s.name, s.warp_ndim) for s in specs if s.is_array}
-    structs = {s.name: s.name for s in specs if s.is_struct}
-    struct_arrays = {leaf.name: leaf.warp_ndim for s in specs if s.is_struct for leaf in s.leaves if leaf.is_array}
-    names = [*arrays, *struct_arrays]
-    try:
-        collector = _UseCollector(_names_visible_to(kernel.func), arrays,
-                                  line_offset=int(getattr(kernel.adj, "fun_lineno", 1) or 1) - 1,
-                                  structs=structs, struct_arrays=struct_arrays)
-        collector.body(_function_def(kernel.adj.tree).body)
-    except Exception as e:  # noqa: BLE001 - no source tree, or a construct this walker does not know
-        return {n: ArrayUse(n, (), f"its source could not be analysed: {type(e).__name__}: {e}") for n in names}
-    return {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n), n in collector.views)
-            for n in names}
-
 
 _SIGNATURES: dict[tuple, KernelSignature] = {}
 
