@@ -79,7 +79,8 @@ class NewtonStep:
             step is traced (as Newton's differentiable examples do for ground planes: collide once with a large
             ``soft_contact_gap``, and the contact kernels test penetration every step).
         state_fields: ``State`` fields in and out of the step (default: particle and body positions and
-            velocities, as present).
+            velocities, as present, and every other field the step writes and reads back the next step, such as
+            Featherstone's ``joint_q`` / ``joint_qd``). Given explicitly, leaving out such a field is an error.
         control_fields: external forces (``particle_f``, ``body_f``) and ``Control`` array fields taken per call.
         param_fields: ``Model`` array fields taken per call (trainable materials, contact properties, ...).
         frozen_host_ops: see :func:`warpnn.trace`.
@@ -98,11 +99,44 @@ class NewtonStep:
         frozen_host_ops: bool = False,
     ):
         self.model, self.solver, self.dt, self.contacts = model, solver, float(dt), contacts
-        self.state_fields = tuple(state_fields) if state_fields is not None else _default_state_fields(model)
         self.control_fields = tuple(control_fields)
         self.param_fields = tuple(param_fields)
         self._state_in, self._state_out = model.state(), model.state()
         self._control = model.control()
+        # A solver's own step counters: accepted where its launches provably do not depend on them (Featherstone
+        # updating its mass matrix every step); any other Python state the step changes is refused by the trace.
+        python_state = ("_step", "_mass_matrix_dirty") if getattr(solver, "update_mass_matrix_interval", 1) == 1 else ()
+        if state_fields is not None:
+            self.state_fields = tuple(state_fields)
+            self._trace(frozen_host_ops, python_state)
+            frozen = self._frozen_state_fields()
+            if frozen:
+                raise ValueError(
+                    f"NewtonStep: the step writes State fields {frozen} and reads them back the next step, but they "
+                    f"are not in state_fields={list(self.state_fields)}: every replayed step would restart from their "
+                    f"values when the step was traced. Add them to state_fields (or leave state_fields out: the default "
+                    "carries every such field)."
+                )
+        else:
+            # Default: positions and velocities, plus every field the step writes and reads back (found by tracing)
+            self.state_fields = _default_state_fields(model)
+            self._trace(frozen_host_ops, python_state)
+            frozen = self._frozen_state_fields()
+            if frozen:
+                self.state_fields += tuple(frozen)
+                self._trace(frozen_host_ops, python_state)
+        self._initial = {k: jnp.asarray(v) for k, v in self.program.initial_inputs().items()}
+
+    def _state_array_fields(self) -> list[str]:
+        return [name for name, value in vars(self._state_in).items()
+                if isinstance(value, wp.array) and value.size and name not in EXTERNAL_FORCES]
+
+    def _frozen_state_fields(self) -> list[str]:
+        pairs = {name: (getattr(self._state_in, name), getattr(self._state_out, name))
+                 for name in self._state_array_fields() if name not in self.state_fields}
+        return self.program.frozen_state(pairs)
+
+    def _trace(self, frozen_host_ops: bool, python_state) -> None:
         inputs = {}
         for name in self.state_fields:
             inputs[f"state/{name}"] = _field(self._state_in, name, "State", "state_fields")
@@ -110,10 +144,10 @@ class NewtonStep:
             owner = self._state_in if name in EXTERNAL_FORCES else self._control
             inputs[f"control/{name}"] = _field(owner, name, "Control", "control_fields")
         for name in self.param_fields:
-            inputs[f"params/{name}"] = _field(model, name, "Model", "param_fields")
+            inputs[f"params/{name}"] = _field(self.model, name, "Model", "param_fields")
         outputs = {name: getattr(self._state_out, name) for name in self.state_fields}
-        self.program = warpnn.trace(self._step_once, inputs, outputs, frozen_host_ops=frozen_host_ops)
-        self._initial = {k: jnp.asarray(v) for k, v in self.program.initial_inputs().items()}
+        self.program = warpnn.trace(self._step_once, inputs, outputs, frozen_host_ops=frozen_host_ops,
+                                    python_state=python_state)
 
     def _step_once(self) -> None:
         for name in EXTERNAL_FORCES:  # Newton's clear_forces, except for forces the caller passes in

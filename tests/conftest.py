@@ -8,6 +8,11 @@ import warp as wp
 wp.config.log_level = wp.LOG_WARNING  # Warp 1.19: no banner or module-load lines (wp.config.quiet is gone)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--corpus-full", action="store_true", default=False,
+                     help="cross-check the access facts over every corpus package, warp.examples included (slow)")
+
+
 def pytest_collection_modifyitems(config, items):
     if jax.default_backend() == "gpu":
         return

@@ -275,3 +275,24 @@ def test_featherstone_forward_equals_newton_and_reverse_is_refused():
     # differentiate them rather than return a wrong gradient (a tape over many steps is off, see NEWTON-FACTS).
     with pytest.raises(TypeError, match="cannot be differentiated"):
         jax.grad(lambda qd: rollout(step, {**state0, "joint_qd": qd}, None, num_steps=2)[0]["joint_q"].sum())(state0["joint_qd"])
+
+
+def test_featherstone_default_state_carries_the_joint_fields_it_writes():
+    """Featherstone steps joint_q / joint_qd and reads them back: the default state carries them (before, only
+    body_q / body_qd were carried and every replayed step restarted from the trace-time joints)."""
+    model, solver, start = pendulum_chain()
+    step = NewtonStep(model, solver, DT)
+    assert {"joint_q", "joint_qd", "body_q", "body_qd"} <= set(step.state_fields)
+    with pytest.raises(ValueError, match=r"joint_q.*not in state_fields"):
+        NewtonStep(model, solver, DT, state_fields=("body_q", "body_qd"))
+
+
+def test_tracing_leaves_the_solver_counter_and_refuses_a_counter_the_launches_depend_on():
+    model, solver, start = pendulum_chain()
+    before = solver._step
+    NewtonStep(model, solver, DT)
+    assert solver._step == before  # the caller's own loop continues where it was
+    every_other = newton.solvers.SolverFeatherstone(model, update_mass_matrix_interval=2)
+    with pytest.raises(RuntimeError, match=r"changed Python state.*_step"):
+        NewtonStep(model, every_other, DT)
+    assert every_other._step == 0

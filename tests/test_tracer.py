@@ -377,3 +377,78 @@ def test_launch_over_arrays_of_another_device_is_refused_before_it_runs():
     c = wp.zeros(4, dtype=float, device="cuda:0")  # the CUDA context still works
     wp.launch(scaled_copy, 4, inputs=[c, c, 2.0], device="cuda:0")
     wp.synchronize_device("cuda:0")
+
+
+# --------------------------------------------------------------------------------------------------
+# Complete or refuse: launches that went around the recording, control flow, Python state
+
+
+@wp.kernel
+def add_rows_atomically(x: wp.array2d(dtype=float), acc: wp.array2d(dtype=float)):
+    w, j = wp.tid()
+    wp.atomic_add(acc[w], j, 2.0 * x[w, j])  # the launch's only write goes through a row view
+
+
+@wp.kernel
+def tile_square_rows(x: wp.array2d(dtype=float), out: wp.array2d(dtype=float)):
+    i = wp.tid()
+    t = wp.tile_load(x[i], shape=8)
+    wp.tile_store(out[i], t * t)
+
+
+def test_a_launch_writing_only_through_a_row_view_is_recorded():
+    x, acc = wp.array(np.ones((3, 4), np.float32)), wp.zeros((3, 4), dtype=float)
+    program = warpnn.trace(lambda: wp.launch(add_rows_atomically, (3, 4), [x], [acc]), {"x": x}, {"acc": acc})
+    assert program.num_launches == 1
+    xs = jnp.arange(12.0).reshape(3, 4)
+    assert_close(program({"x": xs})["acc"], 2.0 * xs)
+    assert_close(jax.grad(lambda x: program({"x": x})["acc"].sum())(xs), 2.0 * np.ones((3, 4)))
+
+
+def test_launch_tiled_is_recorded_and_replays_new_inputs():
+    x, out = wp.array(np.ones((2, 8), np.float32)), wp.zeros((2, 8), dtype=float)
+    run = lambda: wp.launch_tiled(tile_square_rows, dim=2, inputs=[x], outputs=[out], block_dim=8)  # noqa: E731
+    program = warpnn.trace(run, {"x": x}, {"out": out})
+    assert program.num_launches == 1
+    xs = jnp.arange(16.0).reshape(2, 8)
+    assert_close(program({"x": xs})["out"], xs**2)  # before: the trace-time result (ones), frozen
+
+
+def test_data_dependent_control_flow_and_recorded_launch_objects_are_refused():
+    a = wp.zeros(4, dtype=float)
+    flag = wp.array([1], dtype=int)
+
+    def loop():
+        wp.capture_while(flag, lambda: flag.zero_())
+
+    with pytest.raises(RuntimeError, match=r"wp.capture_while.*freeze the trace-time"):
+        warpnn.trace(loop, {"a": a}, {"a": a})
+    with pytest.raises(RuntimeError, match=r"wp.capture_if"):
+        warpnn.trace(lambda: wp.capture_if(flag, lambda: a.zero_()), {"a": a}, {"a": a})
+    with pytest.raises(TypeError, match="record_cmd=True"):
+        warpnn.trace(lambda: wp.launch(scale_in_place, 4, [2.0, a], record_cmd=True), {"a": a}, {"a": a})
+    cmd = wp.launch(scale_in_place, 4, [2.0, a], record_cmd=True)
+    with pytest.raises(RuntimeError, match=r"Launch.launch"):
+        warpnn.trace(lambda: cmd.launch(), {"a": a}, {"a": a})
+    assert flag.numpy()[0] == 1  # nothing changed
+
+
+class _Stepper:
+    def __init__(self):
+        self.a = wp.array(np.ones(4, np.float32))
+        self.count = 0
+
+    def step(self):
+        s = 2.0 if self.count % 2 == 0 else 3.0  # a launch that depends on a Python counter
+        wp.launch(scale_in_place, 4, [s, self.a])
+        self.count += 1
+
+
+def test_python_state_changed_by_the_step_is_refused_and_put_back():
+    stepper = _Stepper()
+    with pytest.raises(RuntimeError, match=r"changed Python state.*count 0 -> 1"):
+        warpnn.trace(stepper.step, {"a": stepper.a}, {"a": stepper.a})
+    assert stepper.count == 0 and np.allclose(stepper.a.numpy(), 1.0)
+    program = warpnn.trace(stepper.step, {"a": stepper.a}, {"a": stepper.a}, python_state=["count"])
+    assert stepper.count == 0
+    assert_close(program({"a": jnp.ones(4)})["a"], 2.0 * np.ones(4))

@@ -441,6 +441,11 @@ def _function_def(tree: ast.AST) -> ast.FunctionDef:
 def analyse_array_uses(kernel, specs) -> dict[str, ArrayUse]:
     """How ``kernel`` uses each array parameter in ``specs`` (``ArgSpec`` s): warpnn's walk of its source, made
     undecided wherever Warp's code generator (``codegen_access``) finds an access the walk does not place."""
+    return reconcile(walk_array_uses(kernel, specs), codegen_access(kernel))
+
+
+def walk_array_uses(kernel, specs) -> dict[str, ArrayUse]:
+    """warpnn's walk of ``kernel``'s source alone (``analyse_array_uses`` reconciles it with Warp's facts)."""
     arrays = {s.name: (s.name, s.warp_ndim) for s in specs if s.is_array}
     structs = {s.name: s.name for s in specs if s.is_struct}
     struct_arrays = {leaf.name: leaf.warp_ndim for s in specs if s.is_struct for leaf in s.leaves if leaf.is_array}
@@ -452,9 +457,8 @@ def analyse_array_uses(kernel, specs) -> dict[str, ArrayUse]:
         collector.body(_function_def(kernel.adj.tree).body)
     except Exception as e:  # noqa: BLE001 - no source tree, or a construct this walker does not know
         return {n: ArrayUse(n, (), f"its source could not be analysed: {type(e).__name__}: {e}") for n in names}
-    uses = {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n), n in collector.views)
+    return {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n), n in collector.views)
             for n in names}
-    return reconcile(uses, codegen_access(kernel))
 
 
 def reconcile(uses: dict[str, ArrayUse], warp_facts: dict[str, tuple[bool, bool]] | None) -> dict[str, ArrayUse]:

@@ -649,6 +649,13 @@ def kernel_array_uses(kernel: Any) -> dict[str, ArrayUse]:
     cached = _KERNEL_USES.get(id(kernel))
     if cached is not None and cached[0] is kernel:
         return cached[1]
+    uses = analyse_array_uses(kernel, _kernel_specs(kernel))
+    _KERNEL_USES[id(kernel)] = (kernel, uses)
+    return uses
+
+
+def _kernel_specs(kernel: Any) -> list[ArgSpec]:
+    """``ArgSpec`` s of ``kernel``'s array parameters (arrays of structs by name and rank only)."""
     specs = []
     for a in kernel.adj.args:
         if wc.matches_array_class(a.type, wp.array):
@@ -656,9 +663,7 @@ def kernel_array_uses(kernel: Any) -> dict[str, ArrayUse]:
                 specs.append(_arg_spec(a.label, a.type, kernel.key))
             except TypeError:  # an array of structs: analysed by name and rank only
                 specs.append(ArgSpec(a.label, a.type, True, a.type.ndim, (), np.dtype(np.uint8)))
-    uses = analyse_array_uses(kernel, specs)
-    _KERNEL_USES[id(kernel)] = (kernel, uses)
-    return uses
+    return specs
 
 
 _KERNEL_USES: dict[int, tuple[Any, dict[str, ArrayUse]]] = {}

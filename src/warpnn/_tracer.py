@@ -63,6 +63,19 @@ HOST_REBUILD_MESSAGE = (
     "recommends for gradients), or pass frozen_host_ops=True to warpnn.trace to accept the trace-time "
     "structure for every replay."
 )
+CONTROL_FLOW_MESSAGE = (
+    "warpnn.trace: the traced function called {what}, whose branch or iteration count is read from a device array "
+    "while it runs. A replay of the recorded launches would freeze the trace-time branches and counts. Fix: "
+    "trace one branch or one iteration and write the control flow in JAX (lax.cond / lax.while_loop over "
+    "programs), or turn the data-dependent control flow off in the library that issues it (for mujoco_warp, "
+    "a fixed iteration count)."
+)
+PYTHON_STATE_MESSAGE = (
+    "warpnn.trace: the traced function changed Python state it closes over: {changes}. The replay runs only the "
+    "recorded launches, so every replayed step would behave as the traced one did (a step counter, a cached "
+    "flag), whatever that state becomes. warpnn put the values back. Fix: keep that state out of the step, or, "
+    "if the launches do not depend on it, name it in warpnn.trace(..., python_state=[...]) to accept it."
+)
 UNSUPPORTED_OP_MESSAGE = (
     "warpnn.trace: the traced function called {what}, which runs outside Warp's kernel launches (native "
     "code or graph machinery) and cannot be replayed as a JAX operation. Fix: call it outside the traced "
@@ -149,6 +162,25 @@ class WarpProgram:
     @property
     def num_launches(self) -> int:
         return sum(isinstance(op, _Launch) for op in self._ops)
+
+    def frozen_state(self, pairs: Mapping[str, tuple[wp.array, wp.array]]) -> list[str]:
+        """The names in ``pairs`` (``name: (array the step reads, array the step writes)``, e.g. a solver's
+        ``state_in.joint_q`` and ``state_out.joint_q``) whose read array is a constant of this program (not an
+        input) and whose written array the program changes. A rollout that feeds the written array back as the
+        next read one must carry such a pair as state: the replay would read its trace-time value every step."""
+        read, written = set(), set()
+        for op in self._ops:
+            if isinstance(op, _Launch):
+                read |= {value for kind, value in op.inputs if kind == "array"}
+                written |= {key for key, _ in op.results if key is not None}
+            elif isinstance(op, (_Copy, _Set)):
+                read.add(op.src)
+                written.add(op.dest)
+            elif isinstance(op, _Fill):
+                written.add(op.dest)
+        inputs = set(self._input_keys.values())
+        return [name for name, (src, dest) in pairs.items()
+                if _array_key(src) in read - inputs and _array_key(dest) in written]
 
     def describe(self) -> str:
         """One line per recorded operation: what the replay does."""
@@ -335,7 +367,7 @@ class _Recorder:
                 f"warpnn.trace: argument '{label}' is a non-contiguous array view (strides {arr.strides}); "
                 "the replay needs contiguous arrays. Pass a contiguous array (wp.clone of the view)."
             )
-        key: Any = (arr.ptr, tuple(arr.shape), arr.dtype, str(arr.device)) if arr.ptr else ("empty", id(arr))
+        key: Any = _array_key(arr)
         if key in self.arrays:
             return key
         if arr.ptr:
@@ -487,6 +519,11 @@ class _Recorder:
                 _ORIGINAL["assign"](arr, snap)
 
 
+def _array_key(arr: wp.array) -> Any:
+    """How the recorder names an array: its memory, shape, type and device (an empty array by identity)."""
+    return (arr.ptr, tuple(arr.shape), arr.dtype, str(arr.device)) if arr.ptr else ("empty", id(arr))
+
+
 def _plain_scalar(value):
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
@@ -552,6 +589,13 @@ def _hooked_launch(*args, **kwargs):
         a = bound.arguments
         device = a["stream"].device if a["stream"] is not None else a["device"]  # as wp.launch decides it
         _check_launch_device(a["kernel"], device, [*a["inputs"], *a["outputs"]])
+        if a["record_cmd"]:
+            raise TypeError(UNSUPPORTED_OP_MESSAGE.format(
+                what=f"wp.launch(record_cmd=True) of kernel '{getattr(a['kernel'], 'key', a['kernel'])}' (a Launch "
+                     "object runs later, outside the recording)"))
+        if a["adj_inputs"] or a["adj_outputs"]:
+            raise TypeError(UNSUPPORTED_OP_MESSAGE.format(
+                what=f"wp.launch of kernel '{getattr(a['kernel'], 'key', a['kernel'])}' with adjoint arrays"))
         rec.launch(a["kernel"], a["dim"], a["inputs"], a["outputs"], a["adjoint"], a["block_dim"])
         with rec.suspended():
             return _ORIGINAL["launch"](*args, **kwargs)
@@ -622,27 +666,38 @@ def _hooked_host_read(name):
 
 
 def _refused_targets():
-    """(owner, attribute, is_host_rebuild) of every Warp entry point the replay cannot reproduce."""
-    targets = [(wp.HashGrid, "build", True), (wp.Mesh, "refit", True), (wp.Bvh, "refit", True),
-               (wp.Bvh, "rebuild", True), (wp.Mesh, "rebuild", True), (wp, "capture_launch", False),
-               (wp, "capture_begin", False)]
+    """(owner, attribute, message) of every Warp entry point the replay cannot reproduce."""
+    from warp._src import context
+
+    targets = [(wp.HashGrid, "build", HOST_REBUILD_MESSAGE), (wp.Mesh, "refit", HOST_REBUILD_MESSAGE),
+               (wp.Bvh, "refit", HOST_REBUILD_MESSAGE), (wp.Bvh, "rebuild", HOST_REBUILD_MESSAGE),
+               (wp.Mesh, "rebuild", HOST_REBUILD_MESSAGE)]
+    # Warp's own modules call these by their module-level names in warp._src.context: patch both
+    for owner in (wp, context):
+        targets += [(owner, "capture_launch", UNSUPPORTED_OP_MESSAGE), (owner, "capture_begin", UNSUPPORTED_OP_MESSAGE),
+                    (owner, "capture_if", CONTROL_FLOW_MESSAGE), (owner, "capture_while", CONTROL_FLOW_MESSAGE)]
+    targets.append((wp.Launch, "launch", UNSUPPORTED_OP_MESSAGE))  # a recorded Launch object, made before the trace
     for name in ("array_scan", "radix_sort_pairs", "segmented_sort_pairs", "runlength_encode", "array_sum", "array_inner"):
-        targets.append((wp.utils, name, False))
-    return [(o, a, r) for o, a, r in targets if hasattr(o, a)]
+        targets.append((wp.utils, name, UNSUPPORTED_OP_MESSAGE))
+    return [(o, a, m) for o, a, m in targets if hasattr(o, a)]
 
 
 @contextlib.contextmanager
 def _hooks(rec: _Recorder):
+    from warp._src import context
+
     _install_hooks()
     patches = [
-        (wp, "launch", _hooked_launch), (wp, "copy", _hooked_copy), (wp, "clone", _hooked_clone),
+        # context.launch: wp.launch_tiled (and any Warp function launching by that name) goes through it
+        (wp, "launch", _hooked_launch), (context, "launch", _hooked_launch),
+        (wp, "copy", _hooked_copy), (wp, "clone", _hooked_clone),
         (wp.array, "zero_", _hooked_zero), (wp.array, "fill_", _hooked_fill), (wp.array, "assign", _hooked_assign),
         (wp.array, "numpy", _hooked_host_read("numpy")), (wp.array, "list", _hooked_host_read("list")),
     ]
-    for owner, attr, rebuild in _refused_targets():
+    for owner, attr, message in _refused_targets():
         name = f"{getattr(owner, '__name__', owner)}.{attr}"
         _ORIGINAL.setdefault(name, getattr(owner, attr))
-        patches.append((owner, attr, _refusal_named(name, rebuild)))
+        patches.append((owner, attr, _refusal_named(name, message)))
     saved = [(o, a, getattr(o, a)) for o, a, _ in patches]
     with _TRACE_LOCK:
         for owner, attr, fn in patches:
@@ -656,11 +711,14 @@ def _hooks(rec: _Recorder):
                 setattr(owner, attr, fn)
 
 
-def _refusal_named(name, rebuild):
+def _refusal_named(name, message):
+    rebuild = message is HOST_REBUILD_MESSAGE
+    shown = name.replace("warp._src.context.", "wp.").replace("warp.", "wp.")
+
     def refuse(*args, **kwargs):
         rec = _recorder()
         if rec is not None and not (rebuild and rec.frozen_host_ops):
-            raise RuntimeError((HOST_REBUILD_MESSAGE if rebuild else UNSUPPORTED_OP_MESSAGE).format(what=name))
+            raise RuntimeError(message.format(what=shown))
         if rec is not None:
             with rec.suspended():
                 return _ORIGINAL[name](*args, **kwargs)
@@ -669,12 +727,88 @@ def _refusal_named(name, rebuild):
     return refuse
 
 
+# --------------------------------------------------------------------------------------------------
+# Python state the traced function closes over
+
+
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None), np.generic)
+
+
+def _state_roots(fn) -> dict[str, Any]:
+    """The objects ``fn`` reaches without arguments, by name: its closure, defaults, bound ``self``, partial args."""
+    roots: dict[str, Any] = {}
+    while True:
+        if isinstance(fn, functools.partial):
+            roots.update({f"partial arg {k}": v for k, v in enumerate(fn.args)})
+            roots.update(fn.keywords)
+            fn = fn.func
+        elif inspect.ismethod(fn):
+            roots["self"] = fn.__self__
+            fn = fn.__func__
+        else:
+            break
+    code = getattr(fn, "__code__", None)
+    for name, cell in zip(code.co_freevars if code else (), getattr(fn, "__closure__", None) or ()):
+        with contextlib.suppress(ValueError):  # an empty cell
+            roots[name] = cell.cell_contents
+    for k, value in enumerate(getattr(fn, "__defaults__", None) or ()):
+        roots[f"default {k}"] = value
+    return roots
+
+
+def _python_state(fn, depth: int = 3, limit: int = 20000) -> dict[tuple[int, str], tuple[Any, str, Any]]:
+    """Plain attribute values (numbers, strings, None) of the objects ``fn`` closes over, ``depth`` levels deep:
+    ``{(id(owner), attribute): (owner, path, value)}``. Warp's own objects and arrays are left out (the recorder
+    watches their data), and so are modules, classes and functions."""
+    found: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+    seen: set[int] = set()
+    frontier = list(_state_roots(fn).items())
+    for _ in range(depth):
+        following = []
+        for path, obj in frontier:
+            if id(obj) in seen or len(seen) > limit or isinstance(obj, _PLAIN_VALUES):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, (list, tuple)):
+                following += [(f"{path}[{k}]", v) for k, v in enumerate(obj)]
+                continue
+            if isinstance(obj, dict):
+                following += [(f"{path}[{k!r}]", v) for k, v in obj.items() if isinstance(k, _PLAIN_VALUES)]
+                continue
+            attrs = getattr(obj, "__dict__", None)
+            if (not isinstance(attrs, dict) or inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj)
+                    or type(obj).__module__.split(".")[0] in ("warp", "jax", "jaxlib", "numpy")):
+                continue
+            for name, value in list(attrs.items()):
+                if isinstance(value, _PLAIN_VALUES):
+                    found[(id(obj), name)] = (obj, f"{path}.{name}", value)
+                else:
+                    following.append((f"{path}.{name}", value))
+        frontier = following
+    return found
+
+
+def _restore_python_state(before, after_fn, accepted: tuple[str, ...]) -> list[str]:
+    """Put back every plain attribute ``fn`` changed; return the changes not ``accepted``, described."""
+    changes = []
+    after = _python_state(after_fn)
+    for key, (obj, path, value) in before.items():
+        now = after.get(key)
+        if now is None or now[2] is value or (now[2] == value and type(now[2]) is type(value)):
+            continue
+        setattr(obj, key[1], value)
+        if not any(path == name or path.endswith("." + name) for name in accepted):
+            changes.append(f"{path} {value!r} -> {now[2]!r}")
+    return changes
+
+
 def trace(
     fn: Callable[[], Any],
     inputs: Mapping[str, wp.array],
     outputs: Mapping[str, wp.array],
     *,
     frozen_host_ops: bool = False,
+    python_state: tuple[str, ...] | list[str] = (),
 ) -> WarpProgram:
     """Record the Warp operations of ``fn()`` once and return them as a pure JAX function.
 
@@ -705,6 +839,10 @@ def trace(
         outputs: the arrays whose final values the program returns, by name.
         frozen_host_ops: accept host-side rebuilds (``HashGrid.build``, ``Mesh.refit``, ...) inside ``fn``;
             the replay then uses the structure built at trace time.
+        python_state: attributes (``"_step"`` or a path such as ``"solver._step"``) of the objects ``fn`` closes
+            over that ``fn`` may change without changing its launches. Any other change of a plain attribute
+            (a number, a string, None) up to three objects deep is refused: the replay would freeze it. Either
+            way tracing puts the values back.
 
     Returns:
         A :class:`WarpProgram`.
@@ -715,11 +853,17 @@ def trace(
         if not isinstance(arr, wp.array):
             raise TypeError(f"warpnn.trace: output '{name}' must be a wp.array, got {type(arr).__name__}.")
         output_arrays[name] = arr
+    state = _python_state(fn)
+    ran = False
     try:
         with _hooks(rec):
             fn()
         output_keys = {name: rec.touch(arr, name) for name, arr in output_arrays.items()}
+        ran = True
     finally:
         wp.synchronize()
         rec.restore()
+        changes = _restore_python_state(state, fn, tuple(python_state))
+    if ran and changes:  # (after a failure, the failure is the news; the state is put back either way)
+        raise RuntimeError(PYTHON_STATE_MESSAGE.format(changes=", ".join(changes)))
     return WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys)
