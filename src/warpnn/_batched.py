@@ -4,18 +4,20 @@ Under ``jax.vmap`` the launchers used to launch a kernel once per batch element 
 every kernel, since each launch sees exactly the arrays of its element, but the cost grows with the batch at
 launch latency (~3.6 µs per element on an H200: 53× pure JAX at 1024 cloths). The *batched twin* of a kernel
 is the same kernel generated from its source with one more leading launch dimension that selects the batch
-element::
+element:
 
-    @wp.kernel                                    # the twin of `springs(x, pairs, k, f)`, generated:
-    def springs__warpnn_batched(x__warpnn_b: wp.array2d(dtype=wp.vec3), pairs__warpnn_b: wp.array3d(dtype=int),
-                                k__warpnn_b: wp.array2d(dtype=float), f__warpnn_b: wp.array2d(dtype=wp.vec3),
-                                warpnn_first_batch: int, warpnn_first_row: int):
-        warpnn_bl, warpnn_r0 = wp.tid()
-        warpnn_b = warpnn_bl + warpnn_first_batch
-        warpnn_t0 = warpnn_r0 + warpnn_first_row
-        s = warpnn_t0                             # was: s = wp.tid()
-        d = x__warpnn_b[warpnn_b, pairs__warpnn_b[warpnn_b, s, 1]] - ...   # every array indexed by element first
-        wp.atomic_add(f__warpnn_b, warpnn_b, pairs__warpnn_b[warpnn_b, s, 0], k__warpnn_b[warpnn_b, s] * d)
+```python
+@wp.kernel                                    # the twin of `springs(x, pairs, k, f)`, generated:
+def springs__warpnn_batched(x__warpnn_b: wp.array2d(dtype=wp.vec3), pairs__warpnn_b: wp.array3d(dtype=int),
+                            k__warpnn_b: wp.array2d(dtype=float), f__warpnn_b: wp.array2d(dtype=wp.vec3),
+                            warpnn_first_batch: int, warpnn_first_row: int):
+    warpnn_bl, warpnn_r0 = wp.tid()
+    warpnn_b = warpnn_bl + warpnn_first_batch
+    warpnn_t0 = warpnn_r0 + warpnn_first_row
+    s = warpnn_t0                             # was: s = wp.tid()
+    d = x__warpnn_b[warpnn_b, pairs__warpnn_b[warpnn_b, s, 1]] - ...   # every array indexed by element first
+    wp.atomic_add(f__warpnn_b, warpnn_b, pairs__warpnn_b[warpnn_b, s, 0], k__warpnn_b[warpnn_b, s] * d)
+```
 
 Every array parameter gains the leading batch dim. The launcher passes a *shared* (unbatched) argument with
 batch stride 0, so it is never copied, and each element still sees only its own arrays: gathers, scatters and

@@ -102,10 +102,12 @@ def checked(enabled: bool = True):
 
     Checked mode is decided when a call is traced, so entering and leaving a block that changes it clears JAX's
     caches: ``jax.jit`` functions compiled outside run checked inside (they are traced again), and the other way
-    round. Example::
+    round. Example:
 
-        with warpnn.checked():
-            loss = train_step(params, batch)   # a bad index raises here, naming kernel, array and index
+    ```python
+    with warpnn.checked():
+        loss = train_step(params, batch)   # a bad index raises here, naming kernel, array and index
+    ```
     """
     previous = getattr(_STATE, "override", None)
     before = is_checked()
