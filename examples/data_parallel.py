@@ -19,6 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import warpnn.equinox  # noqa: E402
 
+wp.config.log_level = wp.LOG_WARNING  # quiet: no Warp banner or module-load lines (wp.LOG_INFO shows them)
+
 
 @wp.kernel
 def springs(x: wp.array(dtype=wp.vec3), edges: wp.array(dtype=wp.vec2i), k: wp.array(dtype=float), rest: float,

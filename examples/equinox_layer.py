@@ -8,6 +8,8 @@ import warp as wp
 
 import warpnn.equinox
 
+wp.config.log_level = wp.LOG_WARNING  # quiet: no Warp banner or module-load lines (wp.LOG_INFO shows them)
+
 
 @wp.kernel
 def springs(x: wp.array(dtype=wp.vec3), edges: wp.array(dtype=wp.vec2i), k: wp.array(dtype=float), rest: float,

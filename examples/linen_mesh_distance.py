@@ -4,11 +4,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+import warp as wp
 
 import warpnn
 import warpnn.linen
 from warpnn.kernels.mesh import make_mesh, signed_distance_kernel
 from warpnn_models.mesh import torus
+
+wp.config.log_level = wp.LOG_WARNING  # quiet: no Warp banner or module-load lines (wp.LOG_INFO shows them)
 
 mesh = make_mesh(*torus(major=1.0, minor=0.35))  # a wp.Mesh on JAX's device; the layer keeps it alive
 binding = warpnn.bind(signed_distance_kernel, inputs=["points"], num_outputs=2)  # -> (sdf, normal)

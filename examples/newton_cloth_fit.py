@@ -14,7 +14,7 @@ import warp as wp
 
 from warpnn_models.newton import NewtonStep, rollout
 
-wp.config.quiet = True
+wp.config.log_level = wp.LOG_WARNING  # quiet: no Warp banner or module-load lines (wp.LOG_INFO shows them)
 STEPS, DT, TRUE_SCALE = 100, 1e-3, 1.8
 
 builder = newton.ModelBuilder()

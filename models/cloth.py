@@ -11,11 +11,13 @@ inverse masses, the initial state and the controls (or the policy's parameters).
 pure-JAX references (:func:`spring_forces_reference`, :func:`step_reference`), which the tests compare
 against and the benchmarks measure against.
 
-Example::
+For example:
 
-    grid = make_cloth_grid(16, 16, spacing=0.05, pinned="top-corners")
-    cloth = Cloth.from_grid(grid, stiffness=[800., 300., 20.], damping=[4., 2., .2], dt=2e-3)
-    xs, vs = cloth.rollout(grid.positions, jnp.zeros_like(grid.positions), num_steps=100)   # (100, 256, 3) each
+```python
+grid = make_cloth_grid(16, 16, spacing=0.05, pinned="top-corners")
+cloth = Cloth.from_grid(grid, stiffness=[800., 300., 20.], damping=[4., 2., .2], dt=2e-3)
+xs, vs = cloth.rollout(grid.positions, jnp.zeros_like(grid.positions), num_steps=100)   # (100, 256, 3) each
+```
 """
 
 from __future__ import annotations

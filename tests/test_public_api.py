@@ -3,6 +3,8 @@ nothing public is left out of it, and ``import warpnn`` is warning-free."""
 
 import importlib
 import inspect
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -73,3 +75,11 @@ def test_the_changelog_s_newest_release_is_this_version():
     version, date = headings[1]
     assert version == warpnn.__version__, f"CHANGELOG.md's newest release is {version}, warpnn.__version__ is {warpnn.__version__}"
     datetime.date.fromisoformat(date)
+
+
+def test_the_api_reference_lists_every_public_name_once():
+    """docs/api/warpnn.md renders the names one by one, in order of importance: none may be missing or repeated."""
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "api" / "warpnn.md").read_text()
+    rendered = re.findall(r"^::: warpnn\.(\w+)$", page, re.M)
+    assert sorted(rendered) == sorted(warpnn.__all__)
+    assert rendered[:3] == ["jax_kernel", "WarpKernel", "jax_callable"]

@@ -89,8 +89,11 @@ def test_out_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path, capsy
 
 
 def test_resume_of_an_empty_folder_is_refused(tmp_path, capsys):
-    assert cli.main([*TASKS["cloth"], "--out", str(tmp_path / "empty"), "--resume"]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main([*TASKS["cloth"], "--out", str(empty), "--resume"]) == 2
     assert "holds no run to continue" in capsys.readouterr().err
+    assert list(empty.iterdir()) == [], "no run.json, no lock file"
 
 
 def test_unwritable_out_fails_before_training_in_one_line(tmp_path, capsys):
@@ -114,15 +117,26 @@ def test_unwritable_out_fails_before_training_in_one_line(tmp_path, capsys):
             locked.chmod(0o700)
 
 
-def test_errors_during_the_run_are_one_line(tmp_path, capsys):
-    code = cli.main([*TASKS["cloth"], "--devices", "1", "--cloths-per-device", "0", "--out", str(tmp_path / "x")])
+def test_errors_during_the_run_are_one_line_and_leave_nothing(tmp_path, capsys, monkeypatch):
+    """An error raised while the task runs (here: more devices than JAX sees) is one line and exit 1; the folders
+    the command created are removed again, lock file included."""
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --devices N sets it in this process
+    out = tmp_path / "new" / "x"
+    code = cli.main([*TASKS["cloth"], "--devices", "4096", "--out", str(out)])
     assert code == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err, err
-    assert "--cloths-per-device must be >= 1" in err and "--verbose" in err, err
-    with pytest.raises(ValueError, match="cloths-per-device"):  # --verbose: the exception itself
-        cli.main([*TASKS["cloth"], "--devices", "1", "--cloths-per-device", "0", "--out", str(tmp_path / "y"),
-                  "--verbose"])
+    assert "--devices 4096" in err and "--verbose" in err, err
+    assert not (tmp_path / "new").exists(), "a failed command leaves no folder behind"
+    with pytest.raises(ValueError, match="--devices 4096"):  # --verbose: the exception itself
+        cli.main([*TASKS["cloth"], "--devices", "4096", "--out", str(out), "--verbose"])
+    assert not (tmp_path / "new").exists()
+
+    kept = tmp_path / "kept"  # a folder that existed keeps the user's files, and loses only what the run wrote
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert cli.main([*TASKS["cloth"], "--devices", "4096", "--out", str(kept)]) == 1
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
 
 
 def test_files_keep_the_umask_and_stale_temporaries_go(tmp_path):
@@ -186,3 +200,115 @@ def test_sigterm_checkpoints_and_resume_matches(tmp_path):
     assert 0 < json.loads((out / "metrics.json").read_text())["resumed_from_step"] < 400
     # Started on the CPU (the subprocess), finished on the suite's backend (the CPU in CI, a GPU elsewhere).
     _assert_same_run(out, whole, "checkpoint.eqx", bitwise=jax.default_backend() == "cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# Mistakes on the command line: answered before JAX or Warp loads, in one line, with nothing left behind.
+
+# Runs warpnn-train's main in a fresh interpreter and reports its exit status and whether JAX or Warp was imported.
+_PROBE = """
+import json, sys
+from warpnn_train import cli
+try:
+    code = cli.main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "heavy": sorted(m for m in ("jax", "warp", "warpnn") if m in sys.modules)}))
+"""
+
+
+def _cli_fresh(*argv: str, cwd: Path) -> tuple[dict, str, str]:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *argv], cwd=cwd, capture_output=True, text=True, timeout=60)
+    lines = proc.stdout.strip().splitlines()
+    return json.loads(lines[-1]), "\n".join(lines[:-1]), proc.stderr.strip()
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["cloth", "--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    (["cloth", "--steps", "-5"], "argument --steps: expected an integer >= 1, got -5"),
+    (["control", "--batch", "0"], "argument --batch: expected an integer >= 1, got 0"),
+    (["geometry", "--lr", "abc"], "argument --lr: expected a number > 0, got 'abc'"),
+    (["cloth", "--cloths-per-device", "0"], "argument --cloths-per-device: expected an integer >= 1, got 0"),
+    (["cloth", "--checkpoint-every", "-1"], "argument --checkpoint-every: expected an integer >= 0, got -1"),
+    (["cloth", "--stepz", "3"], "unrecognized arguments: --stepz 3"),
+    (["clth"], "unknown task 'clth'"),
+    (["cloth", "--resume", "--overwrite"], "give one of them"),
+    (["cloth", "--resume"], "does not exist, so it holds no run to continue"),
+])
+def test_command_line_mistakes_fail_in_one_line_before_jax_loads(tmp_path, argv, expected):
+    out = tmp_path / "runs" / "x"
+    result, stdout, stderr = _cli_fresh(*argv, "--out", str(out), cwd=tmp_path)
+    assert result == {"code": 2, "heavy": []}, (result, stderr)
+    assert stderr.count("\n") == 0 and expected in stderr and "error:" in stderr, stderr
+    assert stdout == ""
+    assert list(tmp_path.iterdir()) == [], "a failed command creates no folder"
+
+
+def test_help_answers_before_jax_loads(tmp_path):
+    for argv in (["--help"], ["cloth", "--help"], ["newton", "--help"]):
+        result, stdout, _ = _cli_fresh(*argv, cwd=tmp_path)
+        assert result == {"code": 0, "heavy": []}, (argv, result)
+        assert "usage: warpnn-train" in stdout
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "warpnn_train.cli", "cloth", "--help"], capture_output=True,
+                          timeout=60)
+    assert proc.returncode == 0 and time.perf_counter() - start < 10  # ~0.1 s; loading JAX and Warp takes seconds
+
+
+# --------------------------------------------------------------------------------------------------
+# A run stopped at any moment: one piece of advice, and --resume or a plain rerun works.
+
+
+def _stopped_run(out: Path, capsys) -> None:
+    assert cli.main([*TASKS["cloth"], "--out", str(out), "--stop-after", "3"]) == 0
+    capsys.readouterr()
+
+
+def test_corrupt_checkpoint_is_named_with_what_to_do(tmp_path, capsys):
+    out = tmp_path / "run"
+    _stopped_run(out, capsys)
+    checkpoint = out / "checkpoint.eqx"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:100])  # truncated, as by a full disk or a bad copy
+    assert cli.main([*TASKS["cloth"], "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert f"checkpoint {checkpoint} is corrupt or truncated" in err and "--overwrite" in err, err
+    assert checkpoint.stat().st_size == 100, "the refused resume leaves the folder as it was"
+    assert not (out / common.LOCK_FILE).exists()
+    assert cli.main([*TASKS["cloth"], "--out", str(out), "--overwrite"]) == 0  # the advice works
+
+
+@pytest.mark.parametrize("how", ["rerun", "resume"])
+def test_run_killed_before_its_first_checkpoint_starts_again(tmp_path, capsys, how):
+    """A run killed before its first checkpoint leaves only run.json (and, killed by SIGKILL, the lock file):
+    nothing to continue or keep, so a plain rerun and --resume both start it from step 0."""
+    out = tmp_path / "run"
+    _stopped_run(out, capsys)
+    (out / "checkpoint.eqx").unlink()
+    (out / common.LOCK_FILE).touch()  # what a SIGKILLed run leaves (its lock itself died with it)
+    extra = ["--resume"] if how == "resume" else []
+    assert cli.main([*TASKS["cloth"], "--out", str(out), *extra]) == 0
+    captured = capsys.readouterr()
+    assert ("holds no checkpoint yet" in captured.err) == (how == "resume"), captured.err
+    assert json.loads((out / "metrics.json").read_text())["resumed_from_step"] is None
+    assert not (out / common.LOCK_FILE).exists()
+
+
+def test_refusals_give_the_command_that_continues_the_run(tmp_path, capsys):
+    """The advice of a refused command is the command the stopped run printed (its own options and --resume)."""
+    out = tmp_path / "run"
+    assert cli.main([*TASKS["cloth"], "--out", str(out), "--lr", "0.1", "--stop-after", "3"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1].strip()
+    assert printed.startswith("warpnn-train cloth") and "--lr 0.1" in printed and printed.endswith("--resume")
+    assert "--stop-after" not in printed
+
+    assert cli.main([*TASKS["cloth"], "--out", str(out), "--resume"]) == 2  # forgot --lr 0.1
+    err = capsys.readouterr().err
+    assert "holds a different run (config.lr 0.1 there, 0.2 now)" in err and f"continue it with '{printed}'" in err
+    assert cli.main([*TASKS["cloth"], "--out", str(out)]) == 2
+    assert f"continue it with '{printed}'" in capsys.readouterr().err
+    assert not (out / common.LOCK_FILE).exists(), "a refused command releases the lock and removes its file"
+
+    assert cli.main(printed.split()[1:]) == 0  # the advice, as printed, continues the run
+    assert json.loads((out / "metrics.json").read_text())["resumed_from_step"] == 3
+    assert not (out / common.LOCK_FILE).exists()

@@ -1,6 +1,6 @@
-"""What the README says about Warp's own bridge (``wp.jax_kernel``, warp-lang 1.19), checked against Warp itself.
+"""What docs/bridge.md says about Warp's own bridge (``wp.jax_kernel``, warp-lang 1.19), checked against Warp itself.
 
-If Warp changes, these fail and the README's comparison table must change with them. Warp's source:
+If Warp changes, these fail and docs/bridge.md's comparison table must change with them. Warp's source:
 ``warp/_src/jax/ffi.py`` (``jax_kernel``; ``_FFI_KERNEL_REGISTRY``; ``FfiKernel.ffi_callback``).
 """
 
@@ -34,7 +34,7 @@ def registrations(monkeypatch):
 
 
 def test_plain_wrappers_are_reused(registrations):
-    """README: one target per kernel and configuration, reused (not two new targets per construction)."""
+    """docs/bridge.md: one target per kernel and configuration, reused (not two new targets per construction)."""
     wrappers = [wp.jax_kernel(_scale, launch_dims=5) for _ in range(5)]
     for w in wrappers:
         jax.block_until_ready(w(jnp.arange(5.0)))
@@ -43,7 +43,7 @@ def test_plain_wrappers_are_reused(registrations):
 
 
 def test_differentiable_wrappers_register_two_targets_per_construction(registrations):
-    """README: with enable_backward=True, each construction registers new forward and backward targets."""
+    """docs/bridge.md: with enable_backward=True, each construction registers new forward and backward targets."""
     for _ in range(3):
         wp.jax_kernel(_scale, enable_backward=True)
     assert len(set(registrations)) == 6
@@ -55,7 +55,7 @@ def test_differentiable_outputs_take_the_first_inputs_shape():
 
 
 def test_vmap_with_explicit_launch_dims():
-    """README: the batch is folded into the first Warp dim, which the plain wrapper scales for explicit
+    """docs/bridge.md: the batch is folded into the first Warp dim, which the plain wrapper scales for explicit
     launch_dims; the differentiable wrapper does not, so only batch element 0 is computed."""
     xb = jnp.stack([jnp.arange(4.0), 10 * jnp.arange(4.0) + 1, 100 * jnp.arange(4.0) + 1])
     # The differentiable call first: no buffer holding the right answer exists yet for it to land in.

@@ -25,7 +25,8 @@ from flax import nnx
 
 from warpnn_models.cloth import Cloth, ClothGrid, make_cloth_grid
 
-from . import common, nnx_policy
+from . import common, nnx_policy, options
+from .options import ControlConfig  # noqa: F401 - also this task's name, as before options.py
 from .nnx_policy import (  # noqa: F401 - also this task's public names, as before they were shared
     CHECKPOINT,
     checkpoint_bytes,
@@ -36,47 +37,11 @@ from .nnx_policy import (  # noqa: F401 - also this task's public names, as befo
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class ControlConfig:
-    """The default folding task."""
-
-    rows: int = 6
-    cols: int = 6
-    spacing: float = 0.1
-    mass: float = 0.02
-    stiffness: tuple[float, ...] = (200.0, 100.0, 5.0)  # stretch, shear, bend
-    damping: tuple[float, ...] = (0.5, 0.25, 0.02)
-    dt: float = 4.0e-3
-    frames: int = 200
-    drag: float = 0.5
-    ground_ke: float = 100.0
-    ground_kd: float = 1.0
-    friction: float = 0.5
-    lift: float = 0.03  # target height of the folded edge above the near edge (about two cloth thicknesses)
-    max_force: float = 0.5  # per grasped corner and axis (N); one particle weighs 0.2 N
-    hidden: int = 64
-    batch: int = 8
-    eval_batch: int = 16
-    position_noise: float = 0.01  # initial in-plane jitter (m)
-    velocity_noise: float = 0.1  # initial in-plane velocity (m/s)
-    steps: int = 300
-    lr: float = 3.0e-3
-    backend: str = "warp"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ControlConfig()
-    parser.set_defaults(steps=d.steps)
-    g = parser.add_argument_group("cloth folding control")
-    g.add_argument("--frames", type=int, default=d.frames, help="rollout steps")
-    g.add_argument("--batch", type=int, default=d.batch, help="rollouts per training step")
-    g.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
-    g.add_argument("--backend", choices=["warp", "jax"], default=d.backend,
-                   help="simulate with the Warp kernels (default) or their pure-JAX reference")
+add_arguments = options.add_control_arguments  # the options live in options.py: parsed before JAX loads
 
 
 def config_from_args(args: argparse.Namespace) -> ControlConfig:
-    return common.config_from_args(ControlConfig, args)
+    return options.config_from_args(ControlConfig, args)
 
 
 class Policy(nnx.Module):

@@ -18,31 +18,9 @@ import optax
 from warpnn_models.cloth import SPRING_KINDS, Cloth, ClothGrid, make_cloth_grid
 
 from . import common
+from .options import SysIdConfig  # noqa: F401 - also this module's name, as before options.py
 
 CHECKPOINT = "checkpoint.eqx"
-
-
-@dataclasses.dataclass(frozen=True)
-class SysIdConfig:
-    """The default system-identification task; every field is a CLI option of the same name."""
-
-    rows: int = 10
-    cols: int = 10
-    spacing: float = 0.1
-    mass: float = 0.1
-    height: float = 1.5  # no ground in this task; high enough that the stretched cloth stays above y = 0
-    dt: float = 4.0e-3
-    frames: int = 200
-    drag: float = 0.1
-    kick: float = 1.0  # std of the initial random velocity (m/s): excites stretch modes so damping shows
-    true_stiffness: tuple[float, ...] = (400.0, 200.0, 20.0)
-    true_damping: tuple[float, ...] = (2.0, 1.0, 0.2)
-    guess_stiffness: tuple[float, ...] = (100.0, 100.0, 100.0)
-    guess_damping: tuple[float, ...] = (0.5, 0.5, 0.5)
-    steps: int = 250
-    lr: float = 0.2
-    velocity_weight: float = 1.0
-    backend: str = "warp"
 
 
 def make_scene(config: SysIdConfig) -> tuple[ClothGrid, Cloth, jax.Array, jax.Array]:
@@ -154,7 +132,8 @@ def fit_in(out: common.RunDir, task, fit: Callable[..., dict[str, Any]]) -> tupl
     for a fresh run).
     """
     config = task.config
-    resume_from = load_checkpoint(out / CHECKPOINT, task.true_cloth, config) if out.resume else None
+    resume_from = (common.read_checkpoint(out / CHECKPOINT, lambda path: load_checkpoint(path, task.true_cloth, config))
+                   if out.resume else None)
 
     def save(tree: dict) -> None:
         common.atomic_write_bytes(out / CHECKPOINT, checkpoint_bytes(tree))

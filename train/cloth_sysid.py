@@ -26,7 +26,7 @@ import optax
 
 from warpnn_models.cloth import SPRING_KINDS, Cloth, ClothGrid
 
-from . import common, data_parallel
+from . import common, data_parallel, options
 from .cloth_problem import (  # noqa: F401 - also this task's public names, as before the split
     CHECKPOINT,
     SysIdConfig,
@@ -47,22 +47,11 @@ from .cloth_problem import (  # noqa: F401 - also this task's public names, as b
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = SysIdConfig()
-    parser.set_defaults(steps=d.steps)
-    g = parser.add_argument_group("cloth system identification")
-    g.add_argument("--rows", type=int, default=d.rows, help="cloth rows")
-    g.add_argument("--cols", type=int, default=d.cols, help="cloth columns")
-    g.add_argument("--frames", type=int, default=d.frames, help="simulated steps in the observed trajectory")
-    g.add_argument("--dt", type=float, default=d.dt, help="time step (s)")
-    g.add_argument("--lr", type=float, default=d.lr, help="Adam peak learning rate (log-parameters, cosine decay)")
-    g.add_argument("--backend", choices=["warp", "jax"], default=d.backend,
-                   help="simulate with the Warp kernels or their pure-JAX reference")
-    data_parallel.add_arguments(parser)
+add_arguments = options.add_cloth_arguments  # the options live in options.py: parsed before JAX loads
 
 
 def config_from_args(args: argparse.Namespace) -> SysIdConfig:
-    return common.config_from_args(SysIdConfig, args)
+    return options.config_from_args(SysIdConfig, args)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,12 +8,13 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -22,8 +23,7 @@ from tqdm.auto import tqdm
 # Checkpoints, metrics and figures are written with the library's atomic writer (temp file, fsync, rename).
 from warpnn import atomic_write_bytes
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
+from .options import ConfigT, config_from_args  # noqa: F401 - also common's names, as before options.py
 
 try:
     import fcntl
@@ -31,7 +31,7 @@ except ImportError:  # Windows: no advisory locks; one run per folder is then th
     fcntl = None  # type: ignore[assignment]
 
 
-ConfigT = TypeVar("ConfigT", bound="DataclassInstance")  # a task's configuration dataclass
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -39,8 +39,13 @@ class UsageError(Exception):
 
 
 RUN_FILE = "run.json"  # which run a folder holds: task, seed and configuration (written before training)
-# What an earlier run leaves in its folder; any of them marks the folder as holding a run.
-RUN_MARKERS = (RUN_FILE, "metrics.json", "checkpoint.eqx", "checkpoint.msgpack")
+COMMAND_KEY = "command"  # in run.json, beside the identity: the command that continues the run
+CHECKPOINTS = ("checkpoint.eqx", "checkpoint.msgpack")  # a task's resumable state (one per task)
+# What an earlier run leaves in its folder that is worth keeping: a folder holding any of them is continued
+# (--resume) or replaced (--overwrite), never silently overwritten. run.json alone (a run killed before its
+# first checkpoint) holds nothing to keep: a run there starts from step 0, with or without --resume.
+RUN_STATE = ("metrics.json", *CHECKPOINTS)
+RUN_MARKERS = (RUN_FILE, *RUN_STATE)
 
 
 @dataclasses.dataclass
@@ -50,7 +55,7 @@ class RunDir:
     Attributes:
         path: the folder.
         identity: what makes two runs the same run (task, seed, configuration): a resumed run must match it.
-        resume: continue from the checkpoint in the folder.
+        resume: continue from the checkpoint in the folder (False when there is none yet: see :meth:`open`).
         checkpoint_every: save a resumable checkpoint every this many steps (0: only at the end).
         stop_after: stop after this step, checkpointed, as if interrupted (None: run to the end).
     """
@@ -61,68 +66,139 @@ class RunDir:
     checkpoint_every: int = 0
     stop_after: int | None = None
     _lock: Any = dataclasses.field(default=None, repr=False)  # held open for the run: see _claim
+    _created: Path | None = dataclasses.field(default=None, repr=False)  # the topmost folder this run created
+    _wrote_run_file: bool = dataclasses.field(default=False, repr=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike, identity: dict[str, Any], *, resume: bool = False,
-             overwrite: bool = False, checkpoint_every: int = 0, stop_after: int | None = None) -> RunDir:
+             overwrite: bool = False, checkpoint_every: int = 0, stop_after: int | None = None,
+             command: str | None = None) -> RunDir:
         """Claim ``path`` for the run ``identity``, before any training.
 
-        Creates the folder; checks that files can be written in it; removes temporary files that an earlier,
-        killed run left behind; refuses a folder that holds a different run (or any earlier run, unless
-        ``resume`` continues it or ``overwrite`` replaces it). Raises :class:`UsageError` with the fix.
+        Creates the folder (not under ``resume``: a folder that does not exist holds no run); checks that files
+        can be written in it; removes temporary files that an earlier, killed run left behind; refuses a folder
+        that holds a different run's checkpoint or results (or any earlier run's, unless ``resume`` continues it
+        or ``overwrite`` replaces it). A folder whose run was killed before its first checkpoint holds nothing to
+        continue: the run starts from step 0 there, with or without ``resume``. ``command`` (the command that
+        continues this run) is recorded for the advice a later refusal gives. Raises :class:`UsageError` with
+        the fix, leaving the folder as it was.
         """
         folder = Path(path)
+        if resume and not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            raise UsageError(f"--resume: {folder} {what}, so it holds no run to continue; run without --resume to "
+                             "start one")
+        created = _make_folder(folder)
+        run_dir = None
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--out {folder}: cannot create the folder ({e.strerror}); choose another --out") from e
-        if not folder.is_dir():
-            raise UsageError(f"--out {folder}: exists and is not a folder; choose another --out")
-        _check_writable(folder)
-        lock = _claim(folder)
+            _check_writable(folder)
+            run_dir = cls(folder, _to_builtin(identity), resume, checkpoint_every, stop_after, _claim(folder), created)
+            run_dir._start(overwrite, command)
+        except BaseException:
+            if run_dir is not None:
+                run_dir.close(failed=True)
+            else:
+                _remove_created(folder, created)
+            raise
+        return run_dir
+
+    def _start(self, overwrite: bool, command: str | None) -> None:
+        folder, identity = self.path, self.identity
         remove_stale_temporaries(folder)
-        identity = _to_builtin(identity)
-        run_dir = cls(folder, identity, resume, checkpoint_every, stop_after, lock)
-        earlier = run_dir.earlier_run()
-        if resume:
+        earlier, earlier_command = self._read_run_file()
+        continue_it = (f"continue it with '{earlier_command}'" if earlier_command
+                       else "continue it with the options it was started with and --resume")
+        has_state = any((folder / name).exists() for name in RUN_STATE)
+        if self.resume:
             if earlier is None:
                 raise UsageError(f"--resume: {folder} holds no run to continue; run without --resume to start one")
             if earlier != identity:
                 raise UsageError(f"--resume: {folder} holds a different run ({_differences(earlier, identity)}); "
-                                 "resume with the same options, or use another --out")
-        elif earlier is not None or any((folder / name).exists() for name in RUN_MARKERS):
+                                 f"{continue_it}, or use another --out")
+            if not any((folder / name).exists() for name in CHECKPOINTS):
+                print(f"warpnn-train: {folder} holds no checkpoint yet (its run stopped before the first one): "
+                      "starting the run from step 0", file=sys.stderr)
+                self.resume = False
+        elif has_state:
             if not overwrite:
-                what = "a different run" if earlier not in (None, identity) else "an earlier run"
-                detail = f" ({_differences(earlier, identity)})" if earlier not in (None, identity) else ""
-                raise UsageError(f"--out {folder} holds {what}{detail}: add --resume to continue it, --overwrite to "
-                                 "replace it, or choose another --out")
+                if earlier not in (None, identity):
+                    what = f"a different run ({_differences(earlier, identity)})"
+                else:
+                    what, continue_it = "an earlier run", "add --resume to continue it"
+                raise UsageError(f"--out {folder} holds {what}: {continue_it}, --overwrite to replace it, or "
+                                 "choose another --out")
             for name in RUN_MARKERS:  # a later --resume must never continue the replaced run's checkpoint
                 with contextlib.suppress(FileNotFoundError):
                     (folder / name).unlink()
-        if not resume:
-            write_json(folder / RUN_FILE, identity)
-        return run_dir
+        if not self.resume:
+            record = dict(identity, **({COMMAND_KEY: command} if command else {}))
+            write_json(folder / RUN_FILE, record)
+            self._wrote_run_file = True
+
+    def _read_run_file(self) -> tuple[dict[str, Any] | None, str | None]:
+        try:
+            record = json.loads((self.path / RUN_FILE).read_text())
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--out {self.path}: cannot read {RUN_FILE} ({e}); use --overwrite or another --out") from e
+        if not isinstance(record, dict):
+            raise UsageError(f"--out {self.path}: {RUN_FILE} is not a run record; use --overwrite or another --out")
+        command = record.pop(COMMAND_KEY, None)
+        return record, command
 
     def earlier_run(self) -> dict[str, Any] | None:
         """The identity recorded by the run that wrote this folder, or None."""
-        try:
-            return json.loads((self.path / RUN_FILE).read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--out {self.path}: cannot read {RUN_FILE} ({e}); use --overwrite or another --out") from e
+        return self._read_run_file()[0]
 
-    def close(self) -> None:
-        """Release the folder (the end of the run; a process that exits releases it too)."""
-        if self._lock is not None:
-            self._lock.close()
+    def close(self, *, failed: bool = False) -> None:
+        """Release the folder (the end of the run; a process that exits releases it too) and remove its lock file.
+
+        ``failed``: the run ended in an error. If it left nothing to keep (no checkpoint, no results), the
+        folder is left as it was before the run: its run.json removed, and the folder itself if this run created it.
+        """
+        if failed and not any((self.path / name).exists() for name in RUN_STATE):
+            if self._wrote_run_file:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.path / RUN_FILE).unlink()
+                self._wrote_run_file = False
+            _release(self.path, self._lock)
             self._lock = None
+            _remove_created(self.path, self._created)
+            return
+        _release(self.path, self._lock)
+        self._lock = None
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name
 
     def __fspath__(self) -> str:
         return os.fspath(self.path)
+
+
+def _make_folder(folder: Path) -> Path | None:
+    """Create ``folder`` (and its missing parents); returns the topmost folder created, or None if it existed."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {folder}: cannot create the folder ({e.strerror}); choose another --out") from e
+    if not folder.is_dir():
+        raise UsageError(f"--out {folder}: exists and is not a folder; choose another --out")
+    return missing[-1] if missing else None
+
+
+def _remove_created(folder: Path, created: Path | None) -> None:
+    """Remove the folders from ``folder`` up to ``created`` that a failed run created, where they are empty."""
+    if created is None:
+        return
+    for p in (folder, *folder.parents):
+        try:
+            p.rmdir()
+        except OSError:  # not empty (the user's files, or another run's), or gone
+            return
+        if p == created:
+            return
 
 
 # Options that say how to run, not which run: they may differ between a run and its --resume.
@@ -139,14 +215,6 @@ def run_identity(task: str, args: Any, config: Any = None) -> dict[str, Any]:
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         identity["config"] = dataclasses.asdict(config)
     return _to_builtin(identity)
-
-
-def config_from_args(config_type: type[ConfigT], args: Any) -> ConfigT:
-    """The default ``config_type()`` (a dataclass) with each field that ``args`` sets (not None) taken from
-    ``args``: a task's options are the configuration fields of the same name (``--steps`` sets ``steps``)."""
-    given = {field.name: getattr(args, field.name) for field in dataclasses.fields(config_type)
-             if getattr(args, field.name, None) is not None}
-    return dataclasses.replace(config_type(), **given)
 
 
 def run_dir(args: Any, config: Any = None) -> RunDir:
@@ -199,14 +267,46 @@ def _claim(folder: Path):
     """Lock ``folder`` for this process (released when it exits, however it exits): one run per folder."""
     if fcntl is None:
         return None
-    handle = open(folder / LOCK_FILE, "a")  # noqa: SIM115 - held for the life of the run
+    path = folder / LOCK_FILE
+    for _ in range(10):
+        handle = open(path, "a")  # noqa: SIM115 - held for the life of the run
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            handle.close()
+            raise UsageError(f"--out {folder}: another warpnn-train is writing there; wait for it, or choose "
+                             "another --out") from e
+        try:
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                return handle
+        except FileNotFoundError:
+            pass
+        handle.close()  # the run that held it removed the file as we opened it: lock the new one
+    raise UsageError(f"--out {folder}: cannot lock {LOCK_FILE}; choose another --out")
+
+
+def _release(folder: Path, handle) -> None:
+    """Remove the lock file (while still holding the lock, so no other run can hold it then) and unlock."""
+    if handle is None:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(folder / LOCK_FILE)
+    handle.close()
+
+
+def read_checkpoint(path: Path, load: Callable[[Path], T]) -> T:
+    """``load(path)``; a checkpoint that cannot be read (truncated, corrupt, or of another version) is a
+    :class:`UsageError` that says so and what to do."""
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        handle.close()
-        raise UsageError(f"--out {folder}: another warpnn-train is writing there; wait for it, or choose another "
-                         "--out") from e
-    return handle
+        return load(path)
+    except FileNotFoundError as e:
+        raise UsageError(f"--resume: {path} is missing; rerun with --overwrite instead of --resume to start the run "
+                         "again from step 0") from e
+    except Exception as e:
+        detail = (str(e).strip().splitlines() or [""])[0][:160]
+        raise UsageError(f"--resume: the checkpoint {path} is corrupt or truncated (or from another version of "
+                         f"warpnn-train), so the run cannot be continued ({type(e).__name__}: {detail}); rerun "
+                         "with --overwrite instead of --resume to start it again from step 0") from e
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:

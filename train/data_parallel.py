@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from warpnn_models.cloth import Cloth, ClothGrid
 
-from . import common
+from . import common, options
 from .cloth_problem import (
     CHECKPOINT,  # noqa: F401 - this task's checkpoint file, as before the fit was shared
     SysIdConfig,
@@ -185,12 +185,7 @@ def fit(task: BatchedTask, mesh: Mesh, steps: int, progress: bool = True, *, res
 # As a main-job option: ``warpnn-train cloth --devices N``.
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("data parallelism")
-    g.add_argument("--devices", type=int, default=None,
-                   help="split a batch of independent cloths over N devices (data parallel); default: one cloth, "
-                        "one device")
-    g.add_argument("--cloths-per-device", type=int, default=4, help="cloths per device with --devices")
+add_arguments = options.add_data_parallel_arguments
 
 
 def run(args: argparse.Namespace, config: SysIdConfig) -> dict[str, Any]:

@@ -33,39 +33,15 @@ from warpnn_models.pointcloud import (
     torus_points,
 )
 
-from . import common
+from . import common, options
+from .options import GeometryConfig  # noqa: F401 - also this task's name, as before options.py
 
 
-@dataclasses.dataclass(frozen=True)
-class GeometryConfig:
-    """The default geometry task; the CLI exposes the fields it lists in :func:`add_arguments`."""
-
-    template_points: int = 2048
-    target_points: int = 4096
-    major: float = 1.0  # torus: distance from the z axis to the tube centre
-    minor: float = 0.35  # torus: tube radius
-    width: int = 128
-    depth: int = 3
-    steps: int = 500
-    lr: float = 1.0e-2
-    loss: str = "warp"  # or "jax": the pure-JAX brute-force Chamfer (same values, for comparison)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = GeometryConfig()
-    parser.set_defaults(steps=d.steps)
-    g = parser.add_argument_group("geometry (sphere -> torus under Chamfer loss)")
-    g.add_argument("--template-points", type=int, default=d.template_points, help="points on the template sphere")
-    g.add_argument("--target-points", type=int, default=d.target_points, help="points sampled on the target torus")
-    g.add_argument("--width", type=int, default=d.width, help="MLP hidden width")
-    g.add_argument("--depth", type=int, default=d.depth, help="MLP hidden layers")
-    g.add_argument("--lr", type=float, default=d.lr, help="Adam peak learning rate (cosine decay)")
-    g.add_argument("--loss", choices=["warp", "jax"], default=d.loss,
-                   help="Chamfer with the Warp kernels (default) or the pure-JAX brute-force reference")
+add_arguments = options.add_geometry_arguments  # the options live in options.py: parsed before JAX loads
 
 
 def config_from_args(args: argparse.Namespace) -> GeometryConfig:
-    return common.config_from_args(GeometryConfig, args)
+    return options.config_from_args(GeometryConfig, args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,7 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = common.run_dir(args, config)
     t0 = time.perf_counter()
     task = make_task(config, seed=args.seed)
-    resume_from = load_checkpoint(out / CHECKPOINT, config) if out.resume else None
+    resume_from = (common.read_checkpoint(out / CHECKPOINT, lambda path: load_checkpoint(path, config))
+                   if out.resume else None)
     save = lambda tree: common.atomic_write_bytes(out / CHECKPOINT, checkpoint_bytes(tree))  # noqa: E731
     result = fit(task, seed=args.seed, resume_from=resume_from, save=save, checkpoint_every=out.checkpoint_every,
                  stop_after=out.stop_after)

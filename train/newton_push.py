@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import common, nnx_policy
+from . import common, nnx_policy, options
+from .options import PushConfig  # noqa: F401 - also this task's name, as before options.py
 from .nnx_policy import (  # noqa: F401 - also this task's public names, as before they were shared
     CHECKPOINT,
     checkpoint_dict,
@@ -35,45 +36,11 @@ from .nnx_policy import (  # noqa: F401 - also this task's public names, as befo
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class PushConfig:
-    """The default task."""
-
-    cells: int = 4  # cloth of (cells + 1)^2 particles
-    cell: float = 0.1  # m
-    mass: float = 0.01  # per particle (kg): 0.25 kg in all
-    radius: float = 0.02  # particle contact radius (m)
-    spring_ke: float = 200.0
-    spring_kd: float = 0.5
-    tri_ke: float = 50.0
-    contact_ke: float = 1.0e3
-    contact_kd: float = 5.0
-    friction_kf: float = 50.0
-    friction_mu: float = 0.5
-    dt: float = 2.0e-3
-    frames: int = 250
-    target: tuple[float, float] = (0.25, 0.15)  # centre-of-mass displacement to reach on the ground (m)
-    max_force: float = 1.0  # per corner and axis (N); the cloth weighs 2.5 N, its friction holds up to ~1.2 N
-    hidden: int = 32
-    batch: int = 8
-    eval_batch: int = 8
-    position_noise: float = 0.03  # initial in-plane offset (m)
-    velocity_noise: float = 0.1  # initial in-plane velocity (m/s)
-    steps: int = 80
-    lr: float = 1.0e-2
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = PushConfig()
-    parser.set_defaults(steps=d.steps)
-    g = parser.add_argument_group("Newton cloth pushing")
-    g.add_argument("--frames", type=int, default=d.frames, help="rollout steps")
-    g.add_argument("--batch", type=int, default=d.batch, help="initial states per training step (vmapped)")
-    g.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
+add_arguments = options.add_newton_arguments  # the options live in options.py: parsed before JAX loads
 
 
 def config_from_args(args: argparse.Namespace) -> PushConfig:
-    return common.config_from_args(PushConfig, args)
+    return options.config_from_args(PushConfig, args)
 
 
 @dataclasses.dataclass

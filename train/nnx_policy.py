@@ -137,7 +137,7 @@ def train_in(out: common.RunDir, policy: nnx.Module, steps: int,
     ``train_fn(resume_from=, save=, checkpoint_every=, stop_after=)`` is the task's training (a :func:`train`
     with the task bound). Returns its result and the checkpoint it resumed from (None for a fresh run).
     """
-    resume_from = read_checkpoint(out / CHECKPOINT) if out.resume else None
+    resume_from = common.read_checkpoint(out / CHECKPOINT, read_checkpoint) if out.resume else None
 
     def save(tree: dict[str, Any]) -> None:
         common.atomic_write_bytes(out / CHECKPOINT, serialization.to_bytes(tree))

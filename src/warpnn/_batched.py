@@ -4,18 +4,20 @@ Under ``jax.vmap`` the launchers used to launch a kernel once per batch element 
 every kernel, since each launch sees exactly the arrays of its element, but the cost grows with the batch at
 launch latency (~3.6 µs per element on an H200: 53× pure JAX at 1024 cloths). The *batched twin* of a kernel
 is the same kernel generated from its source with one more leading launch dimension that selects the batch
-element::
+element:
 
-    @wp.kernel                                    # the twin of `springs(x, pairs, k, f)`, generated:
-    def springs__warpnn_batched(x__warpnn_b: wp.array2d(dtype=wp.vec3), pairs__warpnn_b: wp.array3d(dtype=int),
-                                k__warpnn_b: wp.array2d(dtype=float), f__warpnn_b: wp.array2d(dtype=wp.vec3),
-                                warpnn_first_batch: int, warpnn_first_row: int):
-        warpnn_bl, warpnn_r0 = wp.tid()
-        warpnn_b = warpnn_bl + warpnn_first_batch
-        warpnn_t0 = warpnn_r0 + warpnn_first_row
-        s = warpnn_t0                             # was: s = wp.tid()
-        d = x__warpnn_b[warpnn_b, pairs__warpnn_b[warpnn_b, s, 1]] - ...   # every array indexed by element first
-        wp.atomic_add(f__warpnn_b, warpnn_b, pairs__warpnn_b[warpnn_b, s, 0], k__warpnn_b[warpnn_b, s] * d)
+```python
+@wp.kernel                                    # the twin of `springs(x, pairs, k, f)`, generated:
+def springs__warpnn_batched(x__warpnn_b: wp.array2d(dtype=wp.vec3), pairs__warpnn_b: wp.array3d(dtype=int),
+                            k__warpnn_b: wp.array2d(dtype=float), f__warpnn_b: wp.array2d(dtype=wp.vec3),
+                            warpnn_first_batch: int, warpnn_first_row: int):
+    warpnn_bl, warpnn_r0 = wp.tid()
+    warpnn_b = warpnn_bl + warpnn_first_batch
+    warpnn_t0 = warpnn_r0 + warpnn_first_row
+    s = warpnn_t0                             # was: s = wp.tid()
+    d = x__warpnn_b[warpnn_b, pairs__warpnn_b[warpnn_b, s, 1]] - ...   # every array indexed by element first
+    wp.atomic_add(f__warpnn_b, warpnn_b, pairs__warpnn_b[warpnn_b, s, 0], k__warpnn_b[warpnn_b, s] * d)
+```
 
 Every array parameter gains the leading batch dim. The launcher passes a *shared* (unbatched) argument with
 batch stride 0, so it is never copied, and each element still sees only its own arrays: gathers, scatters and
@@ -70,6 +72,7 @@ from typing import Any
 import numpy as np
 import warp as wp
 
+from . import _settings
 from . import _warp_compat as wc
 from ._signature import _names_visible_to
 
@@ -112,10 +115,7 @@ def batched_mode() -> str:
     """``$WARPNN_BATCHED_LAUNCH`` (read while lowering): ``"auto"`` (default: a vmapped call launches the batched
     twin on a GPU, and on the CPU runs its per-element launches across the CPU threads), ``"off"`` (``0``: one
     launch per element on one thread) or ``"twin"`` (the batched twin on the CPU too; tests use it)."""
-    value = os.environ.get(BATCHED_ENV, "1").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return "off"
-    return "twin" if value == "twin" else "auto"
+    return _settings.get(BATCHED_ENV)
 
 
 def enabled() -> bool:
@@ -438,7 +438,7 @@ def kernel_body(kernel, reserved_prefix: str) -> ast.FunctionDef | None:
 
 def windows_enabled() -> bool:
     """Whether split CPU launches may bound partial buffers (``$WARPNN_CPU_ROW_WINDOWS``, default on)."""
-    return os.environ.get(WINDOWS_ENV, "1").strip() != "0"
+    return _settings.get(WINDOWS_ENV)
 
 
 def _check_no_block_builtins(tree: ast.AST) -> None:
@@ -640,14 +640,14 @@ def _stub_function(original, name: str, params: list[str]):
 
 CPU_THREADS_ENV = "WARPNN_CPU_THREADS"  # threads for one CPU launch (default: the CPUs this process may use)
 CPU_MIN_WORK_ENV = "WARPNN_CPU_MIN_WORK"  # launch threads (elements) per CPU worker below which a launch is not split
-DEFAULT_MIN_WORK = 4096  # measured: docs/benchmarks-speed-cpu.md ("Eleventh session")
+DEFAULT_MIN_WORK = _settings.SETTINGS[CPU_MIN_WORK_ENV].default  # measured: docs/benchmarks-speed-cpu.md ("Eleventh session")
 ADJOINT_WORK_FACTOR = 4  # must equal kAdjointWorkFactor in warpnn_ffi.c
 PARTIAL_BUDGET_ENV = "WARPNN_CPU_PARTIAL_BYTES"  # partial-buffer bytes per launch thread a split may zero and sum
-DEFAULT_PARTIAL_BUDGET = 64  # measured: docs/benchmarks-speed-cpu.md ("The partial budget")
+DEFAULT_PARTIAL_BUDGET = _settings.SETTINGS[PARTIAL_BUDGET_ENV].default  # measured: docs/benchmarks-speed-cpu.md ("The partial budget")
 SLICES_ENV = "WARPNN_CPU_SLICES_PER_THREAD"  # slices per worker of a split launch (windowed or no partial buffers)
-DEFAULT_SLICES_PER_WORKER = 1
+DEFAULT_SLICES_PER_WORKER = _settings.SETTINGS[SLICES_ENV].default
 POOL_ENV = "WARPNN_CPU_POOL"  # whose threads run split launches: "warpnn" (its own pool) or "xla" (XLA's intra-op pool)
-DEFAULT_POOL = "warpnn"
+DEFAULT_POOL = _settings.SETTINGS[POOL_ENV].default
 
 
 def cpu_thread_config() -> tuple[int, int]:
@@ -656,18 +656,8 @@ def cpu_thread_config() -> tuple[int, int]:
         default = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         default = os.cpu_count() or 1
-    threads = _env_int(CPU_THREADS_ENV, default)
-    return max(1, threads), max(1, _env_int(CPU_MIN_WORK_ENV, DEFAULT_MIN_WORK))
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"warpnn: ${name}={value!r} must be an integer") from None
+    threads = _settings.get(CPU_THREADS_ENV) or default
+    return threads, _settings.get(CPU_MIN_WORK_ENV)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -849,10 +839,13 @@ class NativeTwins:
         # (kernel id, batched) -> None (registered) or why there is no twin
         self._reasons: dict[tuple[int, bool], str | None] = {}
         self._execs: dict[tuple[int, str, bool], Any] = {}  # (kernel id, device, batched): keeps twin code alive
+        # WARPNN_CPU_SPIN_US and WARPNN_CPU_PROFILE are read by the native library itself: checked here.
+        _settings.get("WARPNN_CPU_SPIN_US")
+        _settings.get("WARPNN_CPU_PROFILE")
         self.set_cpu_threads(*cpu_thread_config())
-        self.set_cpu_partial_budget(_env_int(PARTIAL_BUDGET_ENV, DEFAULT_PARTIAL_BUDGET))
-        self.set_cpu_slices_per_worker(_env_int(SLICES_ENV, DEFAULT_SLICES_PER_WORKER))
-        self.set_cpu_pool(os.environ.get(POOL_ENV, DEFAULT_POOL))
+        self.set_cpu_partial_budget(_settings.get(PARTIAL_BUDGET_ENV))
+        self.set_cpu_slices_per_worker(_settings.get(SLICES_ENV))
+        self.set_cpu_pool(_settings.get(POOL_ENV))
 
     def set_cpu_threads(self, threads: int, min_work: int | None = None) -> None:
         """Threads for one CPU launch (1: every launch on XLA's calling thread) and the elements per thread

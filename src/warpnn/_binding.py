@@ -292,17 +292,19 @@ def bind(
     alike; the layer then binds the kernel's remaining input arguments, by name, to its params, buffers and
     static values.
 
-    Example::
+    For example:
 
-        @wp.kernel
-        def springs(x: wp.array(dtype=wp.vec3), edges: wp.array(dtype=wp.vec2i), k: wp.array(dtype=float),
-                    scale: float, f: wp.array(dtype=wp.vec3)):
-            ...
+    ```python
+    @wp.kernel
+    def springs(x: wp.array(dtype=wp.vec3), edges: wp.array(dtype=wp.vec2i), k: wp.array(dtype=float),
+                scale: float, f: wp.array(dtype=wp.vec3)):
+        ...
 
-        binding = warpnn.bind(springs, inputs=["x"], launch_dims="edges", output_dims="x")
-        layer = warpnn.equinox.WarpLayer(binding, params={"k": jnp.ones(1)}, buffers={"edges": edges},
-                                         static={"scale": 1.0})
-        f = layer(x)   # (n, 3)
+    binding = warpnn.bind(springs, inputs=["x"], launch_dims="edges", output_dims="x")
+    layer = warpnn.equinox.WarpLayer(binding, params={"k": jnp.ones(1)}, buffers={"edges": edges},
+                                     static={"scale": 1.0})
+    f = layer(x)   # (n, 3)
+    ```
 
     Args:
         kernel: a ``@wp.kernel``; its first arguments are inputs, its last ``num_outputs`` are outputs.

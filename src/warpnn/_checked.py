@@ -39,7 +39,6 @@ import functools
 import hashlib
 import pathlib
 import inspect
-import os
 import sys
 import threading
 import types
@@ -50,6 +49,7 @@ import jax
 import numpy as np
 import warp as wp
 
+from . import _settings
 from ._batched import call_target
 from ._signature import ArrayUse, KernelSignature, Struct, _arg_spec
 
@@ -72,7 +72,7 @@ class KernelIndexError(IndexError):
 
 
 _STATE = threading.local()
-_DEFAULT = [os.environ.get(CHECK_ENV, "0").strip().lower() in ("1", "true", "yes", "on")]
+_DEFAULT = [bool(_settings.get(CHECK_ENV))]
 
 
 def set_checked(enabled: bool = True) -> bool:
@@ -102,10 +102,12 @@ def checked(enabled: bool = True):
 
     Checked mode is decided when a call is traced, so entering and leaving a block that changes it clears JAX's
     caches: ``jax.jit`` functions compiled outside run checked inside (they are traced again), and the other way
-    round. Example::
+    round. Example:
 
-        with warpnn.checked():
-            loss = train_step(params, batch)   # a bad index raises here, naming kernel, array and index
+    ```python
+    with warpnn.checked():
+        loss = train_step(params, batch)   # a bad index raises here, naming kernel, array and index
+    ```
     """
     previous = getattr(_STATE, "override", None)
     before = is_checked()

@@ -27,7 +27,6 @@ import contextlib
 import ctypes
 import itertools
 import math
-import os
 import threading
 import traceback
 import warnings
@@ -36,6 +35,7 @@ from typing import Any
 import jax
 import warp as wp
 
+from . import _settings
 from . import _warp_compat as wc
 from ._devices import trace_devices
 from ._ffi_attrs import LAUNCH_DIMS_ATTR, SCALAR_ATTR_PREFIX
@@ -378,7 +378,7 @@ class _SelectedLauncher:
         if self._impl is None:
             with self._lock:
                 if self._impl is None:
-                    self._impl = self._make(os.environ.get(LAUNCHER_ENV, "auto"))
+                    self._impl = self._make(_settings.get(LAUNCHER_ENV))
         return self._impl
 
     @property
@@ -406,6 +406,8 @@ class _SelectedLauncher:
 
         try:
             return _native_launch.get_launcher()
+        except _settings.SettingError:
+            raise  # a mistyped WARPNN_* value is the user's to fix, never a reason to fall back silently
         except Exception as e:
             if choice == "native":
                 raise RuntimeError(f"warpnn: {LAUNCHER_ENV}=native, but the native launcher is unavailable: {e}") from e

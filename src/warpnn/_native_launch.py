@@ -53,6 +53,7 @@ import jax
 import numpy as np
 import warp as wp
 
+from . import _settings
 from . import _warp_compat as wc
 from ._devices import trace_devices
 from ._ffi_attrs import SCALAR_ATTR_PREFIX
@@ -146,7 +147,7 @@ def running_ffi_api_version() -> int | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "warpnn")
+    root = _settings.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "warpnn")
     return Path(root) / "native" / f"{source_hash()}-ffi{running_ffi_api_version()}-{sys.platform}-{_platform.machine()}"
 
 
@@ -190,7 +191,7 @@ def load_library() -> ctypes.CDLL:
     with _LOAD_LOCK:
         if _LIBRARY is not None:
             return _LIBRARY
-        explicit = os.environ.get(LIB_ENV)
+        explicit = _settings.get(LIB_ENV)
         if explicit:
             path = Path(explicit)
             lib = _open(path)
@@ -265,7 +266,7 @@ _DRIVER_SYMBOLS = ("cuCtxGetCurrent", "cuLaunchKernel", "cuMemsetD32Async", "cuM
 def driver_entry_points() -> list[int] | None:
     """Addresses of the CUDA driver functions the handlers' driver path calls (``_DRIVER_SYMBOLS``), or None
     where there is no CUDA driver or ``WARPNN_DRIVER_LAUNCH=0`` asks for Warp's launcher on every call."""
-    if os.environ.get(DRIVER_LAUNCH_ENV, "1") == "0" or not wp.is_cuda_available():
+    if not _settings.get(DRIVER_LAUNCH_ENV) or not wp.is_cuda_available():
         return None
     try:
         cuda = ctypes.CDLL("libcuda.so.1")  # already loaded by Warp: this only looks it up

@@ -22,13 +22,12 @@ import contextlib
 import copy
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import warp as wp
 
-from . import _batched
+from . import _batched, _settings
 from ._signature import KernelSignature, _callee_name, signature_of
 
 # Copies of a spread parameter: one per THREADS_PER_SLOT threads, at most SLOTS. Measured on an H200
@@ -55,12 +54,9 @@ def pays(launch_dims: tuple[int, ...]) -> bool:
     and then ``WARPNN_SPREAD`` decide first."""
     if _override is not None:
         return _override
-    setting = os.environ.get(SPREAD_ENV, "").strip()
-    if setting in ("0", "1"):
-        return setting == "1"
-    if setting:
-        raise ValueError(f"{SPREAD_ENV}={setting!r}: expected 0 (never spread), 1 (wherever possible) or "
-                         "unset (on a GPU, for launches of at least 1,024 threads).")
+    setting = _settings.get(SPREAD_ENV)
+    if setting is not None:
+        return setting
     return jax.default_backend() != "cpu" and math.prod(launch_dims) >= MIN_THREADS
 
 

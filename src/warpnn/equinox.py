@@ -20,13 +20,15 @@ __all__ = ["WarpLayer", "trainable"]
 class WarpLayer(eqx.Module):
     """A Warp kernel as an Equinox layer.
 
-    Example::
+    For example:
 
-        binding = warpnn.bind(springs, inputs=["x"], launch_dims="edges", output_dims="x")
-        layer = warpnn.equinox.WarpLayer(binding, params={"k": jnp.ones(1)}, buffers={"edges": edges},
-                                         static={"scale": 1.0})
-        f = layer(x)                                             # x: (n, 3) -> f: (n, 3)
-        layer = dataclasses.replace(layer, static={"scale": 2.0})  # a new static value retraces
+    ```python
+    binding = warpnn.bind(springs, inputs=["x"], launch_dims="edges", output_dims="x")
+    layer = warpnn.equinox.WarpLayer(binding, params={"k": jnp.ones(1)}, buffers={"edges": edges},
+                                     static={"scale": 1.0})
+    f = layer(x)                                             # x: (n, 3) -> f: (n, 3)
+    layer = dataclasses.replace(layer, static={"scale": 2.0})  # a new static value retraces
+    ```
 
     Args:
         binding: from :func:`warpnn.bind`: the kernel, its call inputs and dims.

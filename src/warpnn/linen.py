@@ -25,13 +25,15 @@ BUFFERS = "buffers"
 class WarpLayer(nn.Module):
     """A Warp kernel as a Linen layer.
 
-    Example::
+    For example:
 
-        binding = warpnn.bind(springs, inputs=["x"], launch_dims="edges", output_dims="x")
-        layer = warpnn.linen.WarpLayer(binding, params={"k": (nn.initializers.ones, (1,))},
-                                       buffers={"edges": edges}, static={"scale": 1.0})
-        variables = layer.init(key, x)             # {"params": {"k": ...}, "buffers": {"edges": ...}}
-        f = layer.apply(variables, x)              # x: (n, 3) -> f: (n, 3)
+    ```python
+    binding = warpnn.bind(springs, inputs=["x"], launch_dims="edges", output_dims="x")
+    layer = warpnn.linen.WarpLayer(binding, params={"k": (nn.initializers.ones, (1,))},
+                                   buffers={"edges": edges}, static={"scale": 1.0})
+    variables = layer.init(key, x)             # {"params": {"k": ...}, "buffers": {"edges": ...}}
+    f = layer.apply(variables, x)              # x: (n, 3) -> f: (n, 3)
+    ```
 
     Attributes:
         binding: from :func:`warpnn.bind`: the kernel, its call inputs and dims.

@@ -27,14 +27,16 @@ class Buffer(nnx.Variable):
 class WarpLayer(nnx.Module):
     """A Warp kernel as an NNX layer.
 
-    Example::
+    For example:
 
-        binding = warpnn.bind(springs, inputs=["x"], launch_dims="edges", output_dims="x")
-        layer = warpnn.nnx.WarpLayer(binding, params={"k": jnp.ones(1)}, buffers={"edges": edges},
-                                     static={"scale": 1.0})
-        f = layer(x)            # x: (n, 3) -> f: (n, 3)
-        layer.k[...]            # the nnx.Param
-        layer.scale = 2.0       # a new static value; nnx.jit retraces
+    ```python
+    binding = warpnn.bind(springs, inputs=["x"], launch_dims="edges", output_dims="x")
+    layer = warpnn.nnx.WarpLayer(binding, params={"k": jnp.ones(1)}, buffers={"edges": edges},
+                                 static={"scale": 1.0})
+    f = layer(x)            # x: (n, 3) -> f: (n, 3)
+    layer.k[...]            # the nnx.Param
+    layer.scale = 2.0       # a new static value; nnx.jit retraces
+    ```
 
     Args:
         binding: from :func:`warpnn.bind`: the kernel, its call inputs and dims.
