@@ -129,12 +129,46 @@ def test_gradients_through_views_equal_wp_tape(kernel, dims, block):
     assert_close(jax.jit(jax.grad(lambda x: (call(x) * ct).sum()))(x), want_grad)
 
 
-def test_output_written_inside_a_func_is_refused_in_reverse_mode_and_leaves_the_cotangent_alone():
+@wp.func
+def add_in_func(acc: wp.array(dtype=float), i: int, v: float):
+    wp.atomic_add(acc, i, v)
+
+
+@wp.kernel
+def in_out_via_func(x: wp.array(dtype=float), acc: wp.array(dtype=float)):
+    i = wp.tid()
+    add_in_func(acc, i, x[i] * x[i])
+
+
+def test_results_written_inside_a_func_differentiate_like_wp_tape_and_leave_xla_buffers_alone():
+    """Warp's adjoint runs each @wp.func call's forward again, stores included, into the array's primal slot.
+    That slot was the cotangent (a pure output's): the gradient was wrong under jit and the caller's cotangent
+    array was overwritten. Now each such result gets a buffer of its own (KernelSignature.replay_buffers)."""
+    x = jnp.arange(1.0, 5.0)
+    ct = jnp.array([1.0, -2.0, 0.5, 3.0])
+    ct_before = np.asarray(ct).copy()
     f = warpnn.jax_kernel(store_via_func)
-    x = jnp.arange(4.0)
-    assert_close(f(x, launch_dims=4)[0], 3.0 * np.arange(4.0))  # the forward pass works
-    with pytest.raises(TypeError, match=r"written inside @wp.func 'store_in_func'"):
-        jax.grad(lambda x: f(x, launch_dims=4)[0].sum())(x)
+    call = lambda x: f(x, launch_dims=4)[0]  # noqa: E731
+    assert_close(call(x), 3.0 * np.asarray(x))
+    out, vjp = jax.vjp(jax.jit(call), x)
+    assert_close(jax.jit(vjp)(ct)[0], 3.0 * ct_before)
+    assert_close(jax.jit(jax.grad(lambda x: (call(x) * ct).sum()))(x), 3.0 * ct_before)
+    np.testing.assert_array_equal(np.asarray(ct), ct_before)
+    # an in-out array accumulated inside a @wp.func: its value before the launch must survive the adjoint
+    g = warpnn.jax_kernel(in_out_via_func, num_outputs=1, in_out_argnames=["acc"])
+    acc0 = jnp.array([10.0, 20.0, 30.0, 40.0])
+    loss = lambda x, acc: (g(x, acc, launch_dims=4)[0] * ct).sum()  # noqa: E731
+    dx, dacc = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, acc0)
+    assert_close(dx, 2.0 * np.asarray(x) * ct_before)
+    assert_close(dacc, ct_before)
+    np.testing.assert_array_equal(np.asarray(acc0), [10.0, 20.0, 30.0, 40.0])
+    xw = wp.array(np.asarray(x), dtype=float, requires_grad=True)
+    accw = wp.array(np.asarray(acc0), dtype=float, requires_grad=True)
+    tape = wp.Tape()
+    with tape:
+        wp.launch(in_out_via_func, 4, inputs=[xw], outputs=[accw])
+    tape.backward(grads={accw: wp.array(ct_before, dtype=float)})
+    assert_close(dx, xw.grad.numpy())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,3 +233,15 @@ def test_walk_agrees_with_warp_codegen_on_real_code(package, at_least, request):
     result = cross_check(_kernels_in(package))
     assert result["kernels"] >= at_least, result["kernels"]
     assert result["missed"] == [], result["missed"][:20]
+
+
+@pytest.mark.parametrize("launcher", ["native", "python"])
+def test_replay_buffers_under_vmap_and_both_launchers(launcher):
+    from warpnn._launch import use_launcher
+
+    f = warpnn.jax_kernel(store_via_func)
+    xs = jnp.arange(1.0, 9.0).reshape(2, 4)
+    cts = jnp.array([[1.0, -2.0, 0.5, 3.0], [0.0, 1.0, 2.0, -1.0]])
+    with use_launcher(launcher):
+        grads = jax.jit(jax.vmap(jax.grad(lambda x, c: (f(x, launch_dims=4)[0] * c).sum())))(xs, cts)
+    assert_close(grads, 3.0 * np.asarray(cts))

@@ -733,7 +733,7 @@ def _adjoint_reach(sig, launch: tuple[int, ...], shapes: list, attrs: dict):
         return None
     by_name = {spec.name: tuple(int(d) for d in shape) for spec, shape in zip(named, shapes)}
     scalars = {k[len(SCALAR_ATTR_PREFIX):]: v.item() for k, v in attrs.items() if k.startswith(SCALAR_ATTR_PREFIX)}
-    results = [s.name for s in sig.adjoint_inputs] + [""] * len(sig.carried_adjoints)
+    results = [s.name for s in sig.adjoint_inputs] + [""] * (len(sig.carried_adjoints) + len(sig.replay_buffers))
     return _reach.attribute(sig, launch, by_name, scalars, results)
 
 
@@ -974,10 +974,12 @@ class NativeTwins:
                for s in sig.adjoint_inputs]
         # A carried adjoint starts as the cotangent, which the adjoint reads: a zeroed partial would miss it.
         adj += [_PRIVATE if s.name in private else _NO_REDUCTION for s in sig.carried_adjoints]
+        # A replay buffer holds primal values the replayed @wp.func calls store and read: never a partial sum.
+        adj += [_PRIVATE if s.name in private else _NO_REDUCTION for s in sig.replay_buffers]
         fwd_arr = (ctypes.c_int32 * max(1, len(fwd)))(*fwd)
         adj_arr = (ctypes.c_int32 * max(1, len(adj)))(*adj)
         fwd_windows = _window_table(sig, original, sig.results)
-        adj_windows = _window_table(sig, original, (*sig.adjoint_inputs, *sig.carried_adjoints))
+        adj_windows = _window_table(sig, original, (*sig.adjoint_inputs, *sig.carried_adjoints, *sig.replay_buffers))
         rc = self._lib.warpnn_set_twin_partials(kid, len(fwd), fwd_arr, fwd_windows, len(adj), adj_arr, adj_windows)
         if rc != 0:
             raise RuntimeError(f"the native library refused the twin's partial kinds ({rc})")

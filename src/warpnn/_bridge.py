@@ -120,15 +120,6 @@ IN_PLACE_MESSAGE = (
     "`out[i] += value` / wp.atomic_add, or write the results to a separate output array."
 )
 
-REPLAY_WRITE_MESSAGE = (
-    "Kernel '{key}' cannot be differentiated by warpnn: {problems}. Warp's adjoint kernel runs each @wp.func call "
-    "again before its adjoint, stores and atomics included, so it writes into the buffer it is given as that "
-    "array's value; in warpnn's adjoint call that buffer belongs to XLA (a cotangent or an input's value), and "
-    "the write would corrupt it and the gradient. The forward pass works as it is. Fix: return the value from the "
-    "@wp.func and store or accumulate it in the kernel body, or keep this kernel's inputs out of the gradient "
-    "(jax.lax.stop_gradient)."
-)
-
 INPUT_WRITE_MESSAGE = (
     "Kernel '{key}' writes its input array '{name}' ({where}). Inputs are buffers XLA owns (the caller's arrays, "
     "constants baked into the executable, values other operations still read), so warpnn never lets a kernel "
@@ -646,7 +637,8 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     forward: operands = array inputs; results = in-out arrays (aliased to their operand), outputs.
     adjoint: operands = array inputs (values before the launch), primal outputs, cotangents of float results;
              results = adjoints of ``sig.adjoint_inputs`` (zeroed), then ``sig.carried_adjoints`` (aliased to
-             their cotangent operand and updated in place).
+             their cotangent operand and updated in place), then ``sig.replay_buffers`` (aliased to their primal
+             operand: Warp's adjoint writes them; discarded).
     """
     sig = plan.sig
     fwd_target, adj_target = LAUNCHER.targets(sig)
@@ -654,10 +646,15 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     if adjoint:
         n_in, n_out = len(sig.array_inputs), len(sig.outputs)
         cts = dict(zip((s.name for s in sig.float_results), operands[n_in + n_out :]))
-        specs = (*sig.adjoint_inputs, *sig.carried_adjoints)
-        result_shapes = [shapes[s.name] for s in sig.adjoint_inputs] + [cts[s.name].shape for s in sig.carried_adjoints]
+        specs = (*sig.adjoint_inputs, *sig.carried_adjoints, *sig.replay_buffers)
+        primal_index = {**{s.name: k for k, s in enumerate(sig.array_inputs)},
+                        **{s.name: n_in + k for k, s in enumerate(sig.outputs)}}
+        result_shapes = ([shapes[s.name] for s in sig.adjoint_inputs] + [cts[s.name].shape for s in sig.carried_adjoints]
+                         + [operands[primal_index[s.name]].shape for s in sig.replay_buffers])
         ct_index = {s.name: n_in + n_out + k for k, s in enumerate(sig.float_results)}
         aliases = {ct_index[s.name]: len(sig.adjoint_inputs) + m for m, s in enumerate(sig.carried_adjoints)}
+        first_buffer = len(sig.adjoint_inputs) + len(sig.carried_adjoints)
+        aliases.update({primal_index[s.name]: first_buffer + m for m, s in enumerate(sig.replay_buffers)})
     else:
         specs = sig.results
         result_shapes = [shapes[s.name] for s in sig.in_out] + list(plan.output_shapes)
@@ -858,9 +855,6 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     if sig.reverse_problems:
         problems = "; ".join(f"array '{n}': {why}" for n, why in sig.reverse_problems.items())
         raise TypeError(IN_PLACE_MESSAGE.format(key=sig.key, problems=problems))
-    if sig.replay_writes:
-        problems = "; ".join(f"array '{n}': {why}" for n, why in sig.replay_writes.items())
-        raise TypeError(REPLAY_WRITE_MESSAGE.format(key=sig.key, problems=problems))
     if not sig.has_adjoint:
         raise TypeError(
             f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "
@@ -903,10 +897,12 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     # The primal slot of a pure output: its value before the launch where the kernel reads it (zeros: outputs
     # are zeroed first), else any buffer of its shape that is not aliased: Warp does not read it (the cotangent,
     # or for an in-place pair the input's value: the handler addresses that output as its grad instead).
+    # An output Warp's adjoint writes (sig.replay_buffers) gets zeros, as the forward launch started from.
     input_of = {y: x for x, y in sig.adjoints_in_place}
     array_of = dict(zip((s.name for s in sig.array_inputs), arrays))
+    replayed = {s.name for s in sig.replay_buffers}
     outputs = [out if out is not None else array_of[input_of[s.name]] if s.name in input_of
-               else jnp.zeros_like(ct_of[s.name]) if s.name in carried else ct_of[s.name]
+               else jnp.zeros_like(ct_of[s.name]) if s.name in carried or s.name in replayed else ct_of[s.name]
                for s, out in zip(sig.outputs, kept)]
     adjoints = _first_order_only(plan, True, *arrays, *outputs, *float_cts)
     by_name = dict(zip((s.name for s in (*sig.adjoint_inputs, *sig.carried_adjoints)), adjoints))

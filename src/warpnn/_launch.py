@@ -258,7 +258,8 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
     # Buffer order, fixed by _bridge._ffi_call:
     #   forward: args = array inputs; rets = in-out arrays (aliased: they hold the inputs' values), outputs
     #   adjoint: args = array inputs (values before the launch), primal outputs, cotangents of float results;
-    #            rets = adjoints of sig.adjoint_inputs, then sig.carried_adjoints (aliased to their cotangent)
+    #            rets = adjoints of sig.adjoint_inputs, then sig.carried_adjoints (aliased to their cotangent),
+    #            then sig.replay_buffers (aliased to their primal operand)
     n_in = len(sig.array_inputs)
     inputs = {s.name: _Buffer(args[i].contents, s) for i, s in enumerate(sig.array_inputs)}
     launch_dims = tuple(int(d) for d in attrs[LAUNCH_DIMS_ATTR])
@@ -278,7 +279,9 @@ def _launch(frame, sig: KernelSignature, adjoint: bool, platform: str) -> None:
         cts = {s.name: _Buffer(args[base + i].contents, s) for i, s in enumerate(sig.float_results)}
         returned = (*sig.adjoint_inputs, *sig.carried_adjoints)
         adjoints = {s.name: _Buffer(rets[i].contents, s) for i, s in enumerate(returned)}
-        primal = {**inputs, **outputs}
+        # results Warp's adjoint writes get their own buffers, aliased to (holding) their primal operands
+        replayed = {s.name: _Buffer(rets[len(returned) + m].contents, s) for m, s in enumerate(sig.replay_buffers)}
+        primal = {**inputs, **outputs, **replayed}
         grads = {s.name: adjoints[s.name] for s in sig.carried_adjoints}
         adjoints.update({x: adjoints[y] for x, y in sig.adjoints_in_place})  # in the output's carried adjoint
         # Warp's adjoint of a struct's array field accumulates into the field's `grad` (as wp.Tape sets it up)

@@ -315,7 +315,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
 
     # Buffer order (see _bridge._ffi_call): forward args = array inputs, rets = in-out arrays then outputs;
     # adjoint args = array inputs, primal outputs, cotangents of float results; adjoint rets = adjoints of
-    # adjoint_inputs, then carried adjoints. Sources: k+1 = operand k, -(k+1) = result k, 0 = none (null).
+    # adjoint_inputs, then carried adjoints, then replay buffers (the primal slots of results Warp's adjoint
+    # writes, aliased to their operand). Sources: k+1 = operand k, -(k+1) = result k, 0 = none (null).
     n_in, n_out = len(sig.array_inputs), len(sig.outputs)
     operand = {s.name: k for k, s in enumerate(sig.array_inputs)}
     result = {s.name: r for r, s in enumerate(sig.results)}
@@ -323,6 +324,7 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
     returned = (*sig.adjoint_inputs, *sig.carried_adjoints)
     adjoint_result = {s.name: m for m, s in enumerate(returned)}
     carried = {s.name for s in sig.carried_adjoints}
+    replay_buffer = {s.name: len(returned) + m for m, s in enumerate(sig.replay_buffers)}
     carrier = dict(sig.adjoints_in_place)
     paired_outputs = set(carrier.values())
     rows, attr_names = [], []
@@ -339,6 +341,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         elif s.name in result:  # in-out array or output: the forward result (in-out: aliased to its operand)
             fwd = -(result[s.name] + 1)
             adj = operand[s.name] + 1 if s.name in operand else n_in + sig.output_names.index(s.name) + 1
+            if s.name in replay_buffer:
+                adj = -(replay_buffer[s.name] + 1)
         else:
             fwd = adj = operand[s.name] + 1
         if s.name in adjoint_result:
@@ -356,7 +360,8 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         # preset bit 4: the adjoint never touches this output's primal values (an in-place pair's output, whose
         # slot holds some other buffer of its shape): the handler addresses them as its grad buffer, so that
         # both are batched alike
-        preset = ((1 if s.name in sig.in_out_names else 0) | (2 if s.name in carried or s.name in carrier else 0)
+        preset = ((1 if s.name in sig.in_out_names else 0)
+                  | (2 if s.name in carried or s.name in carrier or s.name in replay_buffer else 0)
                   | (4 if s.name in paired_outputs else 0))
         # carried adjoints, and struct fields (Warp's adjoint of a struct's array accumulates into its `grad`)
         # and arrays read through row views (Warp's adjoint of a view accumulates into the viewed array's `grad`)
@@ -382,7 +387,7 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
         "bounds_size_offset": bounds_type.size.offset,
         "bounds_coord_mult_offset": bounds_type.coord_mult.offset,
         "num_args": (n_in, n_in + n_out + len(sig.float_results)),
-        "num_rets": (len(sig.results), len(returned)),
+        "num_rets": (len(sig.results), len(returned) + len(sig.replay_buffers)),
     }
 
 

@@ -178,17 +178,16 @@ class KernelSignature:
                 if (problem := self.uses[s.name].in_place_problem()) is not None}
 
     @functools.cached_property
-    def replay_writes(self) -> dict[str, str]:
-        """Results written inside a ``@wp.func``, with where: Warp's adjoint replays each call's forward, stores
-        and atomics included, into the buffer it gets as the array's value (see ``_bridge.REPLAY_WRITE_MESSAGE``)."""
-        found = {}
-        for s in (*self.in_out, *self.outputs):
-            use = self.uses[s.name]
-            if use.undecided is not None and use.writes:
-                found[s.name] = f"warpnn cannot tell where the kernel writes it ({use.undecided})"
-            elif (a := use.written_in_function) is not None:
-                found[s.name] = f"it is written inside @wp.func '{a.via}' (called at line {a.line})"
-        return found
+    def replay_buffers(self) -> tuple[ArgSpec, ...]:
+        """Results written inside a ``@wp.func``: Warp's adjoint kernel runs each ``@wp.func`` call's forward again
+        before its adjoint, stores and atomics included, into the buffer it gets as the array's value.
+
+        The adjoint call gives each a buffer of its own: a result after ``carried_adjoints``, aliased to the
+        primal operand (so XLA copies the operand where anything else still reads it) and discarded afterwards.
+        Without it the replay wrote into XLA's buffers (a pure output's slot held its cotangent: a wrong gradient
+        and a changed cotangent array; an in-out array's slot holds its value before the launch).
+        """
+        return tuple(s for s in self.results if self.uses[s.name].written_in_function is not None)
 
     @functools.cached_property
     def outputs_read(self) -> tuple[str, ...]:
