@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +49,14 @@ import warpnn
 __all__ = ["MujocoStep", "rollout", "data_arrays"]
 
 STATE_FIELDS = ("qpos", "qvel", "act", "ctrl", "time")
-NESTED = ("contact", "efc")  # Data fields that are dataclasses of arrays
+NESTED = ("contact", "efc")
+FUSED_LINESEARCH_MESSAGE = (
+    "MujocoStep: with a dense constraint Jacobian and nv <= 50, mujoco_warp's line search "
+    "(solver._linesearch_iterative_kernel, fuse_jv=True) writes ctx.jv as 'ctx_jv_out' and reads it back as "
+    "'ctx_jv_in' in the same launch. warpnn's replay passes the two parameters as separate values, so the read "
+    "would see the value before the launch and the constraint solver would be wrong whenever a constraint is "
+    "active. Fix: leave sparse_jacobian=True (the default: the step is traced with opt.jacobian = mjJAC_SPARSE)."
+)  # Data fields that are dataclasses of arrays
 
 
 def data_arrays(obj) -> dict[str, wp.array]:
@@ -88,6 +96,13 @@ class MujocoStep:
             array is an error: every replayed step would restart it from its value when the step was traced.
         param_fields: ``Model`` arrays taken per call (``body_mass``, ``dof_damping``, ``actuator_gainprm``, ...).
         nconmax, njmax: contact and constraint capacity per world (``mujoco_warp.put_data``'s).
+        sparse_jacobian: trace with a sparse constraint Jacobian (a copy of ``model`` with
+            ``opt.jacobian = mjJAC_SPARSE``; same physics, float rounding aside). With a dense Jacobian and
+            ``nv <= 50``, mujoco_warp fuses ``jv = J @ search`` into its line-search kernel, which writes ``ctx.jv``
+            through one parameter (``ctx_jv_out``) and reads it back through another bound to the same array
+            (``ctx_jv_in``) in the same launch; the replay gives each parameter its own value, so it would read the
+            stale one whenever a constraint is active (measured: 0.09 off in qpos on a cart hitting its joint
+            limit). ``False`` keeps the model's Jacobian and is refused where that kernel would be fused.
 
     Attributes:
         mjm: the ``mujoco.MjModel``. m, d: the ``mujoco_warp`` Model and Data the step was traced on.
@@ -103,15 +118,21 @@ class MujocoStep:
         param_fields: Sequence[str] = (),
         nconmax: int | None = None,
         njmax: int | None = None,
+        sparse_jacobian: bool = True,
     ):
         import mujoco
         import mujoco_warp as mjw
 
         self.mjm = _load(model)
+        if sparse_jacobian and self.mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE:
+            self.mjm = copy.copy(self.mjm)
+            self.mjm.opt.jacobian = mujoco.mjtJacobian.mjJAC_SPARSE
         if data is None:
             data = mujoco.MjData(self.mjm)
             mujoco.mj_forward(self.mjm, data)
         self.m = mjw.put_model(self.mjm)
+        if self.m.nv <= 50 and not self.m.is_sparse:  # mujoco_warp's rule for fusing jv (solver._linesearch)
+            raise ValueError(FUSED_LINESEARCH_MESSAGE)
         # capture_while reads the solver's loop count from a device array: a replay needs a fixed loop
         self.m.opt.graph_conditional = False
         self.d = mjw.put_data(self.mjm, data, nworld=1, nconmax=nconmax, njmax=njmax)
@@ -157,6 +178,36 @@ class MujocoStep:
         inputs.update({f"params/{n}": a for n, a in self._params.items()})
         outputs = {n: self._data[n] for n in self.state_fields}
         self.program = warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs)
+
+    def reverse_refusals(self) -> dict[str, str]:
+        """The step's kernels that reverse mode refuses today, ``{kernel key: "<stage>: <reason>"}``.
+
+        The same checks the bridge makes when a gradient reaches a kernel (``jax.grad`` raises a ``TypeError``
+        naming the first such kernel it meets, backwards from the outputs): no adjoint (``enable_backward=False``
+        on the kernel or its mujoco_warp module), reads of values other threads of the same launch write, and
+        writes inside a ``@wp.func`` that Warp's adjoint would replay. The stage is the mujoco_warp module
+        (``smooth``, ``forward``, ``passive``, ``constraint``, ``solver``, ``collision_*``, ...).
+        """
+        # The bridge's analysis of a kernel (one source of truth) over the recorded launches. Both are private to
+        # warpnn today: a public WarpProgram.launches() would let this method drop the two imports.
+        from warpnn._signature import signature_of
+        from warpnn._tracer import _Launch
+
+        refused: dict[str, str] = {}
+        for op in self.program._ops:
+            if not isinstance(op, _Launch) or op.kernel.key in refused:
+                continue
+            kernel = op.kernel
+            sig = signature_of(kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
+            reasons = []
+            if not sig.has_adjoint:
+                reasons.append("compiled without an adjoint (enable_backward=False)")
+            reasons += [f"'{n}': {why}" for n, why in sig.reverse_problems.items()]
+            reasons += [f"'{n}': {why}" for n, why in sig.replay_writes.items()]
+            if reasons:
+                stage = getattr(kernel.func, "__module__", "?").rsplit(".", 1)[-1]
+                refused[kernel.key] = f"{stage}: " + "; ".join(reasons)
+        return refused
 
     def initial_state(self) -> dict[str, jax.Array]:
         """The ``data`` given (or the model's default state) as the ``state`` pytree."""
