@@ -4,9 +4,10 @@
 Python that launches Warp kernels on a ``mujoco_warp.Data``. :class:`MujocoStep` records one
 ``mujoco_warp.step(m, d)`` with :func:`warpnn.trace` and replays it as JAX operations: a rollout is a
 ``lax.scan`` (:func:`rollout`), ``jax.vmap`` batches initial states, and XLA compiles the whole step with no
-Python per step. ``mujoco_warp`` runs unmodified; only ``m.opt.graph_conditional`` is set to ``False`` (the
-solver's ``wp.capture_while`` reads its loop count from a device array, which a replay cannot reproduce: the
-solver then runs ``opt.iterations`` iterations, each stopping early on convergence inside its kernels).
+Python per step. ``mujoco_warp`` runs unmodified, on the step's own copies of two settings: ``m.opt.graph_conditional``
+is ``False`` (the solver's ``wp.capture_while`` reads its loop count from a device array, which a replay cannot
+reproduce: the solver then runs ``opt.iterations`` iterations, each stopping early on convergence inside its
+kernels), and the constraint Jacobian is sparse (see ``sparse_jacobian``).
 
 The pytrees are dicts of JAX arrays with mujoco_warp's shapes for ``nworld = 1`` (``qpos``: ``(1, nq)``,
 ``time``: ``(1,)``):
@@ -21,8 +22,10 @@ The pytrees are dicts of JAX arrays with mujoco_warp's shapes for ``nworld = 1``
   the host (``body_invweight0``, ``actuator_acc0``, ...) keep their values from the model given.
 
 What is checked (``tests/test_models_mujoco.py``): forward under ``jit`` / ``lax.scan`` / ``vmap`` against
-``mujoco_warp.step`` run directly and against ``mujoco.mj_step``; see ``docs/mujoco.md`` for the measured errors
-and for what reverse mode does today.
+``mujoco_warp.step`` run directly (bit-equal on an arm and a cart-pole hitting a joint limit) and against
+``mujoco.mj_step`` (<= 3.5e-6). Refused today, with the reason: models with contacts (the tracer refuses the
+aliasing view mujoco_warp makes of ``d.contact.frame``) and reverse mode (``reverse_refusals()`` lists the
+kernels: mujoco_warp builds almost all of them with ``enable_backward=False``). See ``docs/mujoco.md``.
 
 Example::
 
@@ -46,7 +49,7 @@ import warp as wp
 
 import warpnn
 
-__all__ = ["MujocoStep", "rollout", "data_arrays"]
+__all__ = ["MujocoStep", "data_arrays", "equinox_module", "nnx_module", "rollout"]
 
 STATE_FIELDS = ("qpos", "qvel", "act", "ctrl", "time")
 NESTED = ("contact", "efc")
@@ -124,11 +127,14 @@ class MujocoStep:
         import mujoco_warp as mjw
 
         self.mjm = _load(model)
-        if sparse_jacobian and self.mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE:
+        swapped = sparse_jacobian and self.mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE
+        if swapped:
             self.mjm = copy.copy(self.mjm)
             self.mjm.opt.jacobian = mujoco.mjtJacobian.mjJAC_SPARSE
-        if data is None:
-            data = mujoco.MjData(self.mjm)
+        if data is None or swapped:  # (the constraint arrays of a given MjData are laid out for its model's Jacobian)
+            given, data = data, mujoco.MjData(self.mjm)
+            if given is not None:
+                mujoco.mj_copyData(data, self.mjm, given)
             mujoco.mj_forward(self.mjm, data)
         self.m = mjw.put_model(self.mjm)
         if self.m.nv <= 50 and not self.m.is_sparse:  # mujoco_warp's rule for fusing jv (solver._linesearch)
