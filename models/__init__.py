@@ -2,8 +2,9 @@
 
 ``warpnn_models.cloth`` (mass-spring cloth and soft bodies), ``warpnn_models.pointcloud`` (point-cloud
 deformation under Chamfer loss), ``warpnn_models.mesh`` (mesh obstacles and mesh generators),
-``warpnn_models.newton`` (Newton's solvers as differentiable JAX steps; needs the ``newton`` extra). Each
+``warpnn_models.newton`` (Newton's solvers as differentiable JAX steps; needs the ``newton`` extra),
+``warpnn_models.mujoco`` (``mujoco_warp.step`` as a JAX step; needs the ``mujoco`` extra). Each
 submodule is imported on demand: ``import warpnn_models.cloth``.
 """
 
-__all__ = ["cloth", "mesh", "newton", "pointcloud"]
+__all__ = ["cloth", "mesh", "mujoco", "newton", "pointcloud"]

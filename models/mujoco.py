@@ -1,0 +1,306 @@
+"""MuJoCo Warp inside JAX: ``mujoco_warp.step`` as a pure JAX step ``step(state, params) -> state``.
+
+`MuJoCo Warp <https://github.com/google-deepmind/mujoco_warp>`_ (``pip install "warpnn[mujoco]"``) steps with
+Python that launches Warp kernels on a ``mujoco_warp.Data``. :class:`MujocoStep` records one
+``mujoco_warp.step(m, d)`` with :func:`warpnn.trace` and replays it as JAX operations: a rollout is a
+``lax.scan`` (:func:`rollout`), ``jax.vmap`` batches initial states, and XLA compiles the whole step with no
+Python per step. ``mujoco_warp`` runs unmodified, on the step's own copies of two settings: ``m.opt.graph_conditional``
+is ``False`` (the solver's ``wp.capture_while`` reads its loop count from a device array, which a replay cannot
+reproduce: the solver then runs ``opt.iterations`` iterations, each stopping early on convergence inside its
+kernels), and the constraint Jacobian is sparse (see ``sparse_jacobian``).
+
+The pytrees are dicts of JAX arrays with mujoco_warp's shapes for ``nworld = 1`` (``qpos``: ``(1, nq)``,
+``time``: ``(1,)``):
+
+* ``state``: ``qpos``, ``qvel``, ``act``, ``ctrl``, ``time`` (those the model has), plus every ``Data`` array the
+  step writes and reads back the next step (warm start ``qacc_warmstart``, and arrays mujoco_warp updates in
+  place rather than provably overwriting: ``qacc``, ``xpos``, the constraint counters, ...), found by the tracer
+  (``WarpProgram.frozen_state``), never by a hand list. Nested arrays are named ``contact.<field>`` /
+  ``efc.<field>``. ``ctrl`` (and any other input the step only reads, such as ``qfrc_applied``) comes back unchanged.
+* ``params``: ``Model`` array fields taken per call (``body_mass``, ``dof_damping``, ``actuator_gainprm``,
+  ``geom_friction``, ...). They enter the kernels that read them; quantities ``put_model`` derives from them on
+  the host (``body_invweight0``, ``actuator_acc0``, ...) keep their values from the model given.
+
+What is checked (``tests/test_models_mujoco.py``): forward under ``jit`` / ``lax.scan`` / ``vmap`` against
+``mujoco_warp.step`` run directly (bit-equal on an arm and a cart-pole hitting a joint limit) and against
+``mujoco.mj_step`` (<= 3.5e-6). Refused today, with the reason: models with contacts (the tracer refuses the
+aliasing view mujoco_warp makes of ``d.contact.frame``) and reverse mode (``reverse_refusals()`` lists the
+kernels: mujoco_warp builds almost all of them with ``enable_backward=False``). See ``docs/mujoco.md``.
+
+Example::
+
+    step = MujocoStep(ARM_XML)                                  # an MJCF string or path, or a mujoco.MjModel
+    state = step.initial_state()
+    ctrls = {"ctrl": jnp.zeros((100, 1, step.mjm.nu), jnp.float32)}
+    final, trajectory = jax.jit(lambda s, c: rollout(step, s, c))(state, ctrls)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import warp as wp
+
+import warpnn
+
+__all__ = ["MujocoStep", "data_arrays", "equinox_module", "nnx_module", "rollout"]
+
+STATE_FIELDS = ("qpos", "qvel", "act", "ctrl", "time")
+NESTED = ("contact", "efc")
+FUSED_LINESEARCH_MESSAGE = (
+    "MujocoStep: with a dense constraint Jacobian and nv <= 50, mujoco_warp's line search "
+    "(solver._linesearch_iterative_kernel, fuse_jv=True) writes ctx.jv as 'ctx_jv_out' and reads it back as "
+    "'ctx_jv_in' in the same launch. warpnn's replay passes the two parameters as separate values, so the read "
+    "would see the value before the launch and the constraint solver would be wrong whenever a constraint is "
+    "active. Fix: leave sparse_jacobian=True (the default: the step is traced with opt.jacobian = mjJAC_SPARSE)."
+)  # Data fields that are dataclasses of arrays
+
+
+def data_arrays(obj) -> dict[str, wp.array]:
+    """The non-empty ``wp.array`` fields of a ``mujoco_warp`` Data (or Model), nested ones as ``contact.dist``."""
+    found = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if isinstance(value, wp.array):
+            if value.size:
+                found[field.name] = value
+        elif field.name in NESTED and dataclasses.is_dataclass(value):
+            found.update({f"{field.name}.{k}": v for k, v in data_arrays(value).items()})
+    return found
+
+
+def _load(model):
+    import mujoco
+
+    if isinstance(model, mujoco.MjModel):
+        return model
+    if isinstance(model, (str, os.PathLike)) and not str(model).lstrip().startswith("<") and os.path.exists(model):
+        return mujoco.MjModel.from_xml_path(os.fspath(model))
+    if isinstance(model, str):
+        return mujoco.MjModel.from_xml_string(model)
+    raise TypeError(f"MujocoStep: model must be a mujoco.MjModel, an MJCF string or a path, got {type(model).__name__}.")
+
+
+class MujocoStep:
+    """One ``mujoco_warp.step`` as a pure JAX function ``step(state, params=None) -> state``.
+
+    Args:
+        model: a ``mujoco.MjModel``, an MJCF string, or the path of an MJCF file.
+        data: a ``mujoco.MjData`` of ``model`` to start from (default: ``mujoco.MjData(model)`` after
+            ``mj_forward``); its values are the initial state.
+        state_fields: ``Data`` arrays in and out of the step (default: ``qpos``, ``qvel``, ``act``, ``ctrl``,
+            ``time`` and every other array the step writes and reads back). Given explicitly, leaving out such an
+            array is an error: every replayed step would restart it from its value when the step was traced.
+        param_fields: ``Model`` arrays taken per call (``body_mass``, ``dof_damping``, ``actuator_gainprm``, ...).
+        nconmax, njmax: contact and constraint capacity per world (``mujoco_warp.put_data``'s).
+        sparse_jacobian: trace with a sparse constraint Jacobian (a copy of ``model`` with
+            ``opt.jacobian = mjJAC_SPARSE``; same physics, float rounding aside). With a dense Jacobian and
+            ``nv <= 50``, mujoco_warp fuses ``jv = J @ search`` into its line-search kernel, which writes ``ctx.jv``
+            through one parameter (``ctx_jv_out``) and reads it back through another bound to the same array
+            (``ctx_jv_in``) in the same launch; the replay gives each parameter its own value, so it would read the
+            stale one whenever a constraint is active (measured: 0.09 off in qpos on a cart hitting its joint
+            limit). ``False`` keeps the model's Jacobian and is refused where that kernel would be fused.
+
+    Attributes:
+        mjm: the ``mujoco.MjModel``. m, d: the ``mujoco_warp`` Model and Data the step was traced on.
+        program: the :class:`warpnn.WarpProgram` (``program.describe()`` lists its launches).
+    """
+
+    def __init__(
+        self,
+        model,
+        data=None,
+        *,
+        state_fields: Sequence[str] | None = None,
+        param_fields: Sequence[str] = (),
+        nconmax: int | None = None,
+        njmax: int | None = None,
+        sparse_jacobian: bool = True,
+    ):
+        import mujoco
+        import mujoco_warp as mjw
+
+        self.mjm = _load(model)
+        swapped = sparse_jacobian and self.mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE
+        if swapped:
+            self.mjm = copy.copy(self.mjm)
+            self.mjm.opt.jacobian = mujoco.mjtJacobian.mjJAC_SPARSE
+        if data is None or swapped:  # (the constraint arrays of a given MjData are laid out for its model's Jacobian)
+            given, data = data, mujoco.MjData(self.mjm)
+            if given is not None:
+                mujoco.mj_copyData(data, self.mjm, given)
+            mujoco.mj_forward(self.mjm, data)
+        self.m = mjw.put_model(self.mjm)
+        if self.m.nv <= 50 and not self.m.is_sparse:  # mujoco_warp's rule for fusing jv (solver._linesearch)
+            raise ValueError(FUSED_LINESEARCH_MESSAGE)
+        # capture_while reads the solver's loop count from a device array: a replay needs a fixed loop
+        self.m.opt.graph_conditional = False
+        self.d = mjw.put_data(self.mjm, data, nworld=1, nconmax=nconmax, njmax=njmax)
+        self.param_fields = tuple(param_fields)
+        self._data = data_arrays(self.d)
+        model_arrays = data_arrays(self.m)
+        for name in self.param_fields:
+            if name not in model_arrays:
+                raise ValueError(
+                    f"MujocoStep: param_fields names '{name}', which is not a non-empty array of this mujoco_warp "
+                    f"Model (arrays: {sorted(model_arrays)[:12]}...)."
+                )
+        self._params = {name: model_arrays[name] for name in self.param_fields}
+        if state_fields is not None:
+            self.state_fields = tuple(state_fields)
+            unknown = [n for n in self.state_fields if n not in self._data]
+            if unknown:
+                raise ValueError(f"MujocoStep: state_fields {unknown} are not non-empty arrays of this model's Data.")
+            self._trace()
+            frozen = self._frozen_fields()
+            if frozen:
+                raise ValueError(
+                    f"MujocoStep: the step writes Data arrays {frozen} and reads them back the next step, but they are "
+                    f"not in state_fields: every replayed step would restart from their values when the step was "
+                    "traced. Add them (or leave state_fields out: the default carries every such array)."
+                )
+        else:
+            self.state_fields = tuple(n for n in STATE_FIELDS if n in self._data)
+            self._trace()
+            frozen = self._frozen_fields()
+            if frozen:
+                self.state_fields += tuple(frozen)
+                self._trace()
+        self._initial = {k: jnp.asarray(v) for k, v in self.program.initial_inputs().items()}
+
+    def _frozen_fields(self) -> list[str]:
+        return self.program.frozen_state({n: (a, a) for n, a in self._data.items() if n not in self.state_fields})
+
+    def _trace(self) -> None:
+        import mujoco_warp as mjw
+
+        inputs = {f"state/{n}": self._data[n] for n in self.state_fields}
+        inputs.update({f"params/{n}": a for n, a in self._params.items()})
+        outputs = {n: self._data[n] for n in self.state_fields}
+        self.program = warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs)
+
+    def reverse_refusals(self) -> dict[str, str]:
+        """The step's kernels that reverse mode refuses today, ``{kernel key: "<stage>: <reason>"}``.
+
+        The same checks the bridge makes when a gradient reaches a kernel (``jax.grad`` raises a ``TypeError``
+        naming the first such kernel it meets, backwards from the outputs): no adjoint (``enable_backward=False``
+        on the kernel or its mujoco_warp module), reads of values other threads of the same launch write, and
+        writes inside a ``@wp.func`` that Warp's adjoint would replay. The stage is the mujoco_warp module
+        (``smooth``, ``forward``, ``passive``, ``constraint``, ``solver``, ``collision_*``, ...).
+        """
+        # The bridge's analysis of a kernel (one source of truth) over the recorded launches. Both are private to
+        # warpnn today: a public WarpProgram.launches() would let this method drop the two imports.
+        from warpnn._signature import signature_of
+        from warpnn._tracer import _Launch
+
+        refused: dict[str, str] = {}
+        for op in self.program._ops:
+            if not isinstance(op, _Launch) or op.kernel.key in refused:
+                continue
+            kernel = op.kernel
+            sig = signature_of(kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
+            reasons = []
+            if not sig.has_adjoint:
+                reasons.append("compiled without an adjoint (enable_backward=False)")
+            reasons += [f"'{n}': {why}" for n, why in sig.reverse_problems.items()]
+            reasons += [f"'{n}': {why}" for n, why in sig.replay_writes.items()]
+            if reasons:
+                stage = getattr(kernel.func, "__module__", "?").rsplit(".", 1)[-1]
+                refused[kernel.key] = f"{stage}: " + "; ".join(reasons)
+        return refused
+
+    def initial_state(self) -> dict[str, jax.Array]:
+        """The ``data`` given (or the model's default state) as the ``state`` pytree."""
+        return {n: self._initial[f"state/{n}"] for n in self.state_fields}
+
+    def initial_params(self) -> dict[str, jax.Array]:
+        """The model's values of ``param_fields``, as the ``params`` pytree."""
+        return {n: self._initial[f"params/{n}"] for n in self.param_fields}
+
+    def constants(self) -> dict[str, jax.Array]:
+        """The Model and scratch arrays the step reads (``WarpProgram.constants``), to pass through ``jax.jit``."""
+        return self.program.constants()
+
+    def __call__(
+        self,
+        state: Mapping[str, jax.Array],
+        params: Mapping[str, jax.Array] | None = None,
+        constants: Mapping[str, jax.Array] | None = None,
+    ) -> dict[str, jax.Array]:
+        """Advance ``state`` by one step; omitted ``params`` take the model's values."""
+        params = self.initial_params() if params is None else params
+        for what, given, fields in (("state", state, self.state_fields), ("params", params, self.param_fields)):
+            if set(given) != set(fields):
+                raise TypeError(
+                    f"MujocoStep: {what} must have exactly the fields {sorted(fields)}, got {sorted(given)} "
+                    f"(start from step.initial_{what}())."
+                )
+        inputs = {f"state/{k}": v for k, v in state.items()}
+        inputs.update({f"params/{k}": v for k, v in params.items()})
+        return self.program(inputs, constants)
+
+
+def rollout(
+    step: Callable,
+    state: Mapping[str, jax.Array],
+    controls: Mapping[str, jax.Array] | None = None,
+    params: Mapping[str, jax.Array] | None = None,
+    *,
+    num_steps: int | None = None,
+    checkpoint: bool = False,
+    constants: Mapping[str, jax.Array] | None = None,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """``lax.scan`` of ``step`` over the leading axis of ``controls`` (or ``num_steps`` steps without controls).
+
+    ``controls``: state fields set before each step, stacked over steps (``{"ctrl": (T, 1, nu)}``). Returns the
+    final state and the trajectory: each state field stacked over steps, *after* each step. ``checkpoint=True``
+    recomputes each step in the backward pass instead of storing its intermediates.
+    """
+
+    def body(carry, control):
+        carry = {**carry, **(control or {})}
+        new = step(carry, params) if constants is None else step(carry, params, constants)
+        return new, new
+
+    if checkpoint:
+        body = jax.checkpoint(body)
+    return jax.lax.scan(body, dict(state), controls, length=num_steps)
+
+
+def _module_params(step: MujocoStep, params: Mapping[str, Any] | None):
+    return {k: jnp.asarray(v) for k, v in (step.initial_params() if params is None else params).items()}
+
+
+def nnx_module(step: MujocoStep, params: Mapping[str, Any] | None = None):
+    """A Flax NNX module holding ``step``'s params as ``nnx.Param``s: ``module(state) -> state``."""
+    from flax import nnx
+
+    class MujocoModule(nnx.Module):
+        def __init__(self, step, params):
+            self.step = nnx.static(step) if hasattr(nnx, "static") else step
+            self.params = nnx.data({k: nnx.Param(v) for k, v in params.items()})
+
+        def __call__(self, state):
+            return self.step(state, {k: v[...] for k, v in self.params.items()})
+
+    return MujocoModule(step, _module_params(step, params))
+
+
+def equinox_module(step: MujocoStep, params: Mapping[str, Any] | None = None):
+    """An Equinox module whose ``params`` field holds ``step``'s params: ``module(state) -> state``."""
+    import equinox as eqx
+
+    class MujocoModule(eqx.Module):
+        params: dict
+        step: MujocoStep = eqx.field(static=True)
+
+        def __call__(self, state):
+            return self.step(state, self.params)
+
+    return MujocoModule(_module_params(step, params), step)

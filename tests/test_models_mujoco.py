@@ -1,0 +1,335 @@
+"""warpnn_models.mujoco: ``mujoco_warp.step`` replayed in JAX, against mujoco_warp itself, ``mujoco.mj_step`` and
+central finite differences of ``mj_step`` (float64).
+
+mujoco_warp compiles its kernels on first use (tens of seconds on a CPU, cached by Warp afterwards) and every
+traced model costs a JAX compile of ~100 launches (~10 s on 2 CPU cores): each model is built once per module
+(module-scoped fixtures) and the rollouts are short.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+mjw = pytest.importorskip("mujoco_warp")
+mujoco = pytest.importorskip("mujoco")
+
+from warpnn_models.mujoco import MujocoStep, equinox_module, nnx_module, rollout  # noqa: E402
+
+T = 50
+
+# A 2-link arm in a vertical plane with two motors and joint damping. Contacts are off (the links never touch:
+# MuJoCo filters parent-child pairs) and so is everything else that would engage the constraint solver.
+ARM = """
+<mujoco model="arm">
+  <option timestep="0.01" iterations="4"><flag contact="disable"/></option>
+  <worldbody>
+    <body name="upper">
+      <joint name="shoulder" type="hinge" axis="0 1 0" damping="0.1"/>
+      <geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.05" mass="1"/>
+      <body name="fore" pos="0.5 0 0">
+        <joint name="elbow" type="hinge" axis="0 1 0" damping="0.1"/>
+        <geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.04" mass="0.5"/>
+      </body>
+    </body>
+  </worldbody>
+  <actuator>
+    <motor joint="shoulder" gear="1"/>
+    <motor joint="elbow" gear="1"/>
+  </actuator>
+</mujoco>
+"""
+
+# A cart on a rail with a joint limit it hits after ~30 steps (the constraint solver engages) and a free pole.
+CARTPOLE = """
+<mujoco model="cartpole">
+  <option timestep="0.01" iterations="4"><flag contact="disable"/></option>
+  <worldbody>
+    <body name="cart">
+      <joint name="slider" type="slide" axis="1 0 0" limited="true" range="-0.3 0.3" damping="0.05"/>
+      <geom type="box" size="0.1 0.05 0.05" mass="1"/>
+      <body name="pole">
+        <joint name="hinge" type="hinge" axis="0 1 0" damping="0.01"/>
+        <geom type="capsule" fromto="0 0 0 0 0 0.6" size="0.02" mass="0.1"/>
+      </body>
+    </body>
+  </worldbody>
+  <actuator><motor joint="slider" gear="10" ctrllimited="true" ctrlrange="-1 1"/></actuator>
+</mujoco>
+"""
+
+# A free box dropped from 0.2 m onto a plane: lands after ~40 of 80 steps (contacts, the constraint solver).
+BOX = """
+<mujoco model="box">
+  <option timestep="0.005" iterations="4"/>
+  <worldbody>
+    <geom type="plane" size="2 2 0.1"/>
+    <body pos="0 0 0.3"><freejoint/><geom type="box" size="0.1 0.1 0.1" mass="1"/></body>
+  </worldbody>
+</mujoco>
+"""
+
+
+def start(xml, qpos=None, qvel=None):
+    mjm = mujoco.MjModel.from_xml_string(xml)
+    mjd = mujoco.MjData(mjm)
+    if qpos is not None:
+        mjd.qpos[:] = qpos
+    if qvel is not None:
+        mjd.qvel[:] = qvel
+    mujoco.mj_forward(mjm, mjd)
+    return mjm, mjd
+
+
+def arm_controls(steps=T):
+    k = np.arange(steps)[:, None]
+    return (np.sin(0.1 * k) * [0.5, -0.3]).reshape(steps, 1, 2).astype(np.float32)
+
+
+def mujoco_warp_loop(mjm, mjd, ctrls=None, steps=T):
+    """mujoco_warp run directly (Python launches every kernel): qpos, qvel after each step."""
+    m = mjw.put_model(mjm)
+    m.opt.graph_conditional = False
+    d = mjw.put_data(mjm, mjd, nworld=1)
+    qpos, qvel = [], []
+    for k in range(steps):
+        if ctrls is not None:
+            d.ctrl.assign(ctrls[k])
+        mjw.step(m, d)
+        qpos.append(d.qpos.numpy().copy())
+        qvel.append(d.qvel.numpy().copy())
+    return np.stack(qpos), np.stack(qvel)
+
+
+def mj_step_loop(mjm, mjd, ctrls=None, steps=T):
+    """MuJoCo C (float64): qpos, qvel after each step, shaped like mujoco_warp's (steps, 1, n)."""
+    d = mujoco.MjData(mjm)
+    d.qpos[:], d.qvel[:], d.act[:] = mjd.qpos, mjd.qvel, mjd.act
+    qpos, qvel = [], []
+    for k in range(steps):
+        if ctrls is not None:
+            d.ctrl[:] = ctrls[k, 0]
+        mujoco.mj_step(mjm, d)
+        qpos.append(d.qpos.copy()[None])
+        qvel.append(d.qvel.copy()[None])
+    return np.stack(qpos), np.stack(qvel)
+
+
+@pytest.fixture(autouse=True)
+def on_cpu():
+    """mujoco_warp's arrays live on Warp's CPU device here: replay there too (also on a GPU host)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture(scope="module")
+def arm():
+    mjm, mjd = start(ARM, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    with jax.default_device(jax.devices("cpu")[0]):
+        step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "actuator_gainprm"))
+    return step, step.mjm, mjd  # step.mjm: the model with the sparse Jacobian it was traced with
+
+
+@pytest.fixture(scope="module")
+def arm_rollout(arm):
+    step, _, _ = arm
+    with jax.default_device(jax.devices("cpu")[0]):
+        run = jax.jit(lambda s, c, p: rollout(step, s, {"ctrl": c}, p))
+        return run, run(step.initial_state(), arm_controls(), step.initial_params())
+
+
+def test_state_carries_what_the_step_reads_back(arm):
+    """The default state holds the named fields and every Data array the step writes and reads back, so that
+    state_fields without one is refused (a replay would restart it from its trace-time value every step)."""
+    step, mjm, _ = arm
+    assert step.state_fields[:4] == ("qpos", "qvel", "ctrl", "time")  # the arm has no activations
+    assert "qacc_warmstart" in step.state_fields  # the solver's warm start: read, then written for the next step
+    assert step.initial_state()["qpos"].shape == (1, mjm.nq)
+    with pytest.raises(ValueError, match="qacc_warmstart"):
+        MujocoStep(mjm, state_fields=("qpos", "qvel", "ctrl", "time"))
+
+
+def test_arm_forward_equals_mujoco_warp_and_mj_step(arm, arm_rollout):
+    """50 steps under jit + lax.scan with time-varying controls: equal to mujoco_warp.step run directly (measured
+    max error 0.0: bit-equal) and within mujoco_warp's own test tolerance (5e-4) of mujoco.mj_step (measured
+    2.1e-7 on qpos)."""
+    step, mjm, mjd = arm
+    _, (final, traj) = arm_rollout
+    qpos, qvel = mujoco_warp_loop(mjm, mjd, arm_controls())
+    np.testing.assert_allclose(np.asarray(traj["qpos"]), qpos, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(traj["qvel"]), qvel, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(traj["time"])[:, 0], mjm.opt.timestep * np.arange(1, T + 1), rtol=1e-5)
+    ref_qpos, ref_qvel = mj_step_loop(mjm, mjd, arm_controls())
+    np.testing.assert_allclose(np.asarray(traj["qpos"]), ref_qpos, rtol=0, atol=5e-4)
+    np.testing.assert_allclose(np.asarray(traj["qvel"]), ref_qvel, rtol=0, atol=5e-4)
+    assert np.abs(ref_qpos[-1] - ref_qpos[0]).max() > 0.1  # the arm moved
+
+
+def test_arm_params_flow_as_in_mujoco(arm, arm_rollout):
+    """Doubled joint damping and actuator gains as ``params``: the replay follows mj_step on the MjModel changed
+    the same way (measured 2.5e-7), and differs from the unchanged run."""
+    step, mjm, mjd = arm
+    run, (_, traj0) = arm_rollout
+    params = step.initial_params()
+    params = {"dof_damping": params["dof_damping"] * 2.0,
+              "actuator_gainprm": params["actuator_gainprm"].at[..., 0].multiply(2.0)}
+    _, traj = run(step.initial_state(), arm_controls(), params)
+    changed = mujoco.MjModel.from_xml_string(ARM)
+    changed.dof_damping[:] *= 2.0
+    changed.actuator_gainprm[:, 0] *= 2.0
+    ref_qpos, _ = mj_step_loop(changed, mjd, arm_controls())
+    np.testing.assert_allclose(np.asarray(traj["qpos"]), ref_qpos, rtol=0, atol=5e-4)
+    assert np.abs(np.asarray(traj["qpos"]) - np.asarray(traj0["qpos"])).max() > 1e-3
+
+
+def test_arm_vmap_equals_single_runs(arm):
+    """vmap over 3 initial states (20 steps) equals each state run alone (measured 0.0)."""
+    step, _, _ = arm
+    s0 = step.initial_state()
+    qpos = jnp.stack([s0["qpos"] + 0.2 * k for k in range(3)])
+    qvel = jnp.stack([s0["qvel"] - 0.3 * k for k in range(3)])
+
+    def run(q, v):
+        return rollout(step, {**s0, "qpos": q, "qvel": v}, num_steps=20)[0]
+
+    batched = jax.jit(jax.vmap(run))(qpos, qvel)
+    for k in range(3):
+        single = jax.jit(run)(qpos[k], qvel[k])
+        for name in ("qpos", "qvel", "time", "qacc_warmstart"):
+            np.testing.assert_allclose(np.asarray(batched[name][k]), np.asarray(single[name]), rtol=0, atol=1e-6)
+    assert np.abs(np.asarray(batched["qpos"][0] - batched["qpos"][2])).max() > 0.1
+
+
+def test_modules_equal_the_step(arm):
+    """The Equinox and NNX modules hold the params and call the same step."""
+    step, _, _ = arm
+    s0 = step.initial_state()
+    params = {k: v * 1.5 for k, v in step.initial_params().items()}
+    expected = step(s0, params)
+    for module in (equinox_module(step, params), nnx_module(step, params)):
+        got = module(s0)
+        np.testing.assert_array_equal(np.asarray(got["qvel"]), np.asarray(expected["qvel"]))
+
+
+def mj_step_jacobian(mjm, mjd, wrt, steps, weights, eps=1e-6):
+    """d(weights . [qpos; qvel] after ``steps`` mj_steps) / d(``wrt`` at the start): central differences, float64."""
+    def loss(x):
+        d = mujoco.MjData(mjm)
+        d.qpos[:], d.qvel[:], d.ctrl[:] = mjd.qpos, mjd.qvel, mjd.ctrl
+        getattr(d, wrt)[:] = x
+        for _ in range(steps):
+            mujoco.mj_step(mjm, d)
+        return float(np.concatenate([d.qpos, d.qvel]) @ weights)
+
+    x0 = np.array(getattr(mjd, wrt), dtype=np.float64)
+    grad = np.zeros_like(x0)
+    for i in range(x0.size):
+        e = np.zeros_like(x0)
+        e[i] = eps
+        grad[i] = (loss(x0 + e) - loss(x0 - e)) / (2 * eps)
+    return grad
+
+
+@pytest.mark.parametrize("steps", [1, 10])
+@pytest.mark.parametrize("wrt", ["ctrl", "qvel"])
+def test_arm_gradient_matches_finite_differences_or_is_refused(arm, wrt, steps):
+    """jax.grad through 1 and 10 steps w.r.t. ctrl and the initial qvel: either it matches central differences of
+    mj_step (float64, 1e-3 relative) or it is refused with a TypeError naming a kernel of the step that
+    step.reverse_refusals() lists and the reason, never zeros. Today the first kernel met backwards is refused
+    (mujoco_warp 4.0 builds 56 of the arm step's 57 kernels with enable_backward=False; '_next_time' also reads
+    'overflow' after writing it), so the test ends as an expected failure that says so."""
+    step, mjm, mjd = arm
+    s0 = step.initial_state()
+    weights = np.array([1.0, -0.5, 0.3, 0.7])  # qpos, qvel of the two joints
+    mjd = mujoco.MjData(mjm)
+    mjd.qpos[:], mjd.qvel[:] = [0.3, -0.5], [0.5, -1.0]
+    mjd.ctrl[:] = [0.2, -0.1]
+
+    def loss(x):
+        state = {**s0, "ctrl": jnp.asarray([[0.2, -0.1]], jnp.float32), wrt: x}
+        final, _ = rollout(step, state, num_steps=steps)
+        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+
+    x0 = jnp.asarray(getattr(mjd, wrt)[None], jnp.float32)
+    try:
+        grad = np.asarray(jax.jit(jax.grad(loss))(x0))[0]
+    except TypeError as error:
+        message = str(error)
+        named = re.search(r"Kernel '([^']+)'", message)
+        assert named, message
+        refusals = step.reverse_refusals()
+        assert named.group(1) in refusals, (named.group(1), sorted(refusals))
+        assert "without an adjoint" in message or "cannot be differentiated" in message, message
+        pytest.xfail(f"reverse mode refused today: {message[:160]}")
+    expected = mj_step_jacobian(mjm, mjd, wrt, steps, weights)
+    np.testing.assert_allclose(grad, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+
+
+def test_reverse_refusals_name_the_forward_only_kernels(arm):
+    """reverse_refusals() lists every launched kernel compiled without an adjoint, read from Warp's own options
+    (the kernel's, else its module's enable_backward), with its mujoco_warp stage."""
+    step, _, _ = arm
+    refusals = step.reverse_refusals()
+    from warpnn._tracer import _Launch
+
+    for op in step.program._ops:
+        if isinstance(op, _Launch):
+            kernel = op.kernel
+            enabled = kernel.options.get("enable_backward", kernel.module.options.get("enable_backward", True))
+            if not enabled:
+                assert "enable_backward=False" in refusals[kernel.key], kernel.key
+    assert refusals["_next_velocity"].startswith("forward: compiled without an adjoint")
+    assert refusals["_kinematics_branch"].startswith("smooth:")
+
+
+def test_cartpole_with_joint_limit_equals_mujoco_warp():
+    """Cart driven into its rail limit (the constraint solver engages from ~step 30): 50 replayed steps equal
+    mujoco_warp run directly (measured max error 0.0) and mj_step within 5e-4 (measured 3.5e-6).
+
+    Traced with the sparse Jacobian (MujocoStep's default). With the model's dense one, the replay was 0.09 off
+    from step 24 on: mujoco_warp's fused line search reads ctx.jv through a second parameter bound to the array
+    it writes (see test_dense_fused_linesearch_is_refused)."""
+    mjm, mjd = start(CARTPOLE, qpos=[0.0, 0.2], qvel=[1.0, 0.0])
+    step = MujocoStep(mjm, mjd)
+    mjm = step.mjm
+    ctrls = np.full((T, 1, 1), 0.3, np.float32)
+    _, traj = jax.jit(lambda s, c: rollout(step, s, {"ctrl": c}))(step.initial_state(), ctrls)
+    qpos, qvel = mujoco_warp_loop(mjm, mjd, ctrls)
+    np.testing.assert_allclose(np.asarray(traj["qpos"]), qpos, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(traj["qvel"]), qvel, rtol=0, atol=1e-5)
+    assert np.asarray(traj["nefc"]).max() >= 1  # the limit was active
+    ref_qpos, _ = mj_step_loop(mjm, mjd, ctrls)
+    np.testing.assert_allclose(np.asarray(traj["qpos"]), ref_qpos, rtol=0, atol=5e-4)
+
+
+def test_dense_fused_linesearch_is_refused():
+    """sparse_jacobian=False on a small dense model is refused, naming the kernel and the two parameters."""
+    mjm, _ = start(CARTPOLE)
+    assert mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE
+    with pytest.raises(ValueError, match="ctx_jv_out.*ctx_jv_in"):
+        MujocoStep(mjm, sparse_jacobian=False)
+
+
+def test_box_falling_onto_a_plane():
+    """A free box landing on a plane (contacts): 80 replayed steps against mujoco_warp and mj_step.
+
+    Today the trace is refused: mujoco_warp's make_constraint reinterprets d.contact.frame (mat33) as a
+    (naconmax, 3) vec3 array over the same memory (``wp.array(ptr=d.contact.frame.ptr, ...)``), and the tracer
+    refuses aliasing views. The test checks that refusal names the two arrays, and reports an expected failure;
+    when the tracer replays such views it runs the comparison instead."""
+    mjm, mjd = start(BOX)
+    try:
+        step = MujocoStep(mjm, mjd)
+    except TypeError as error:
+        message = str(error)
+        assert "frame_in" in message and "contact_frame_out" in message and "shares memory" in message, message
+        pytest.xfail(f"trace refused: {message[:200]}")
+    steps = 80
+    _, traj = jax.jit(lambda s: rollout(step, s, num_steps=steps))(step.initial_state())
+    qpos, _ = mujoco_warp_loop(mjm, mjd, steps=steps)
+    np.testing.assert_allclose(np.asarray(traj["qpos"]), qpos, rtol=0, atol=1e-5)
+    ref_qpos, _ = mj_step_loop(mjm, mjd, steps=steps)
+    np.testing.assert_allclose(np.asarray(traj["qpos"]), ref_qpos, rtol=0, atol=5e-4)
+    assert abs(float(traj["qpos"][-1, 0, 2]) - 0.1) < 5e-3  # resting on the plane
