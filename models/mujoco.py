@@ -4,10 +4,10 @@
 Python that launches Warp kernels on a ``mujoco_warp.Data``. :class:`MujocoStep` records one
 ``mujoco_warp.step(m, d)`` with :func:`warpnn.trace` and replays it as JAX operations: a rollout is a
 ``lax.scan`` (:func:`rollout`), ``jax.vmap`` batches initial states, and XLA compiles the whole step with no
-Python per step. ``mujoco_warp`` runs unmodified, on the step's own copies of two settings: ``m.opt.graph_conditional``
-is ``False`` (the solver's ``wp.capture_while`` reads its loop count from a device array, which a replay cannot
-reproduce: the solver then runs ``opt.iterations`` iterations, each stopping early on convergence inside its
-kernels), and the constraint Jacobian is sparse (see ``sparse_jacobian``).
+Python per step. ``mujoco_warp`` runs unmodified, with one setting of the step's own Model changed:
+``m.opt.graph_conditional`` is ``False`` (the solver's ``wp.capture_while`` reads its loop count from a device
+array, which a replay cannot reproduce: the solver then runs ``opt.iterations`` iterations, each stopping early
+on convergence inside its kernels).
 
 The pytrees are dicts of JAX arrays with mujoco_warp's shapes for ``nworld = 1`` (``qpos``: ``(1, nq)``,
 ``time``: ``(1,)``):
@@ -53,13 +53,7 @@ __all__ = ["MujocoStep", "data_arrays", "equinox_module", "nnx_module", "rollout
 
 STATE_FIELDS = ("qpos", "qvel", "act", "ctrl", "time")
 NESTED = ("contact", "efc")
-FUSED_LINESEARCH_MESSAGE = (
-    "MujocoStep: with a dense constraint Jacobian and nv <= 50, mujoco_warp's line search "
-    "(solver._linesearch_iterative_kernel, fuse_jv=True) writes ctx.jv as 'ctx_jv_out' and reads it back as "
-    "'ctx_jv_in' in the same launch. warpnn's replay passes the two parameters as separate values, so the read "
-    "would see the value before the launch and the constraint solver would be wrong whenever a constraint is "
-    "active. Fix: leave sparse_jacobian=True (the default: the step is traced with opt.jacobian = mjJAC_SPARSE)."
-)  # Data fields that are dataclasses of arrays
+# Data fields that are dataclasses of arrays
 
 
 def data_arrays(obj) -> dict[str, wp.array]:
@@ -100,12 +94,10 @@ class MujocoStep:
         param_fields: ``Model`` arrays taken per call (``body_mass``, ``dof_damping``, ``actuator_gainprm``, ...).
         nconmax, njmax: contact and constraint capacity per world (``mujoco_warp.put_data``'s).
         sparse_jacobian: trace with a sparse constraint Jacobian (a copy of ``model`` with
-            ``opt.jacobian = mjJAC_SPARSE``; same physics, float rounding aside). With a dense Jacobian and
-            ``nv <= 50``, mujoco_warp fuses ``jv = J @ search`` into its line-search kernel, which writes ``ctx.jv``
-            through one parameter (``ctx_jv_out``) and reads it back through another bound to the same array
-            (``ctx_jv_in``) in the same launch; the replay gives each parameter its own value, so it would read the
-            stale one whenever a constraint is active (measured: 0.09 off in qpos on a cart hitting its joint
-            limit). ``False`` keeps the model's Jacobian and is refused where that kernel would be fused.
+            ``opt.jacobian = mjJAC_SPARSE``; same physics, float rounding aside). Default: the model's own. (With
+            a dense Jacobian and ``nv <= 50`` mujoco_warp's line search writes ``ctx.jv`` through one parameter and
+            reads it back through another bound to the same array in the same launch; the tracer replays that
+            kernel with the two parameters merged, as Warp runs it.)
 
     Attributes:
         mjm: the ``mujoco.MjModel``. m, d: the ``mujoco_warp`` Model and Data the step was traced on.
@@ -121,7 +113,7 @@ class MujocoStep:
         param_fields: Sequence[str] = (),
         nconmax: int | None = None,
         njmax: int | None = None,
-        sparse_jacobian: bool = True,
+        sparse_jacobian: bool = False,
     ):
         import mujoco
         import mujoco_warp as mjw
@@ -137,8 +129,6 @@ class MujocoStep:
                 mujoco.mj_copyData(data, self.mjm, given)
             mujoco.mj_forward(self.mjm, data)
         self.m = mjw.put_model(self.mjm)
-        if self.m.nv <= 50 and not self.m.is_sparse:  # mujoco_warp's rule for fusing jv (solver._linesearch)
-            raise ValueError(FUSED_LINESEARCH_MESSAGE)
         # capture_while reads the solver's loop count from a device array: a replay needs a fixed loop
         self.m.opt.graph_conditional = False
         self.d = mjw.put_data(self.mjm, data, nworld=1, nconmax=nconmax, njmax=njmax)
@@ -209,7 +199,6 @@ class MujocoStep:
             if not sig.has_adjoint:
                 reasons.append("compiled without an adjoint (enable_backward=False)")
             reasons += [f"'{n}': {why}" for n, why in sig.reverse_problems.items()]
-            reasons += [f"'{n}': {why}" for n, why in sig.replay_writes.items()]
             if reasons:
                 stage = getattr(kernel.func, "__module__", "?").rsplit(".", 1)[-1]
                 refused[kernel.key] = f"{stage}: " + "; ".join(reasons)

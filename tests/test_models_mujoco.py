@@ -129,7 +129,7 @@ def arm():
     mjm, mjd = start(ARM, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     with jax.default_device(jax.devices("cpu")[0]):
         step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "actuator_gainprm"))
-    return step, step.mjm, mjd  # step.mjm: the model with the sparse Jacobian it was traced with
+    return step, step.mjm, mjd
 
 
 @pytest.fixture(scope="module")
@@ -304,28 +304,30 @@ def test_cartpole_with_joint_limit_equals_mujoco_warp():
     np.testing.assert_allclose(np.asarray(traj["qpos"]), ref_qpos, rtol=0, atol=5e-4)
 
 
-def test_dense_fused_linesearch_is_refused():
-    """sparse_jacobian=False on a small dense model is refused, naming the kernel and the two parameters."""
-    mjm, _ = start(CARTPOLE)
+def test_cartpole_dense_jacobian_fused_linesearch_equals_mujoco_warp():
+    """With the model's dense Jacobian mujoco_warp's line search writes ctx.jv as 'ctx_jv_out' and reads it back
+    as 'ctx_jv_in' in one launch. The replay gave the two parameters separate values and was 0.09 off in qpos
+    from step 24; the tracer now runs that kernel with the parameters merged (measured max error 0.0)."""
+    mjm, mjd = start(CARTPOLE, qpos=[0.0, 0.2], qvel=[1.0, 0.0])
     assert mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE
-    with pytest.raises(ValueError, match="ctx_jv_out.*ctx_jv_in"):
-        MujocoStep(mjm, sparse_jacobian=False)
+    step = MujocoStep(mjm, mjd)
+    assert not step.m.is_sparse
+    ctrls = np.full((T, 1, 1), 0.3, np.float32)
+    _, traj = jax.jit(lambda s, c: rollout(step, s, {"ctrl": c}))(step.initial_state(), ctrls)
+    qpos, qvel = mujoco_warp_loop(mjm, mjd, ctrls)
+    np.testing.assert_allclose(np.asarray(traj["qpos"]), qpos, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(traj["qvel"]), qvel, rtol=0, atol=1e-5)
+    assert np.asarray(traj["nefc"]).max() >= 1
 
 
 def test_box_falling_onto_a_plane():
     """A free box landing on a plane (contacts): 80 replayed steps against mujoco_warp and mj_step.
 
-    Today the trace is refused: mujoco_warp's make_constraint reinterprets d.contact.frame (mat33) as a
-    (naconmax, 3) vec3 array over the same memory (``wp.array(ptr=d.contact.frame.ptr, ...)``), and the tracer
-    refuses aliasing views. The test checks that refusal names the two arrays, and reports an expected failure;
-    when the tracer replays such views it runs the comparison instead."""
+    mujoco_warp's make_constraint reads d.contact.frame (mat33) as a (naconmax, 3) vec3 array over the same
+    memory (``wp.array(ptr=d.contact.frame.ptr, ...)``): the tracer replays it as a reshape of one value (it
+    refused the trace before)."""
     mjm, mjd = start(BOX)
-    try:
-        step = MujocoStep(mjm, mjd)
-    except TypeError as error:
-        message = str(error)
-        assert "frame_in" in message and "contact_frame_out" in message and "shares memory" in message, message
-        pytest.xfail(f"trace refused: {message[:200]}")
+    step = MujocoStep(mjm, mjd)
     steps = 80
     _, traj = jax.jit(lambda s: rollout(step, s, num_steps=steps))(step.initial_state())
     qpos, _ = mujoco_warp_loop(mjm, mjd, steps=steps)

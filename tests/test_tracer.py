@@ -452,3 +452,67 @@ def test_python_state_changed_by_the_step_is_refused_and_put_back():
     program = warpnn.trace(stepper.step, {"a": stepper.a}, {"a": stepper.a}, python_state=["count"])
     assert stepper.count == 0
     assert_close(program({"a": jnp.ones(4)})["a"], 2.0 * np.ones(4))
+
+
+@wp.kernel
+def write_then_read_back(x: wp.array(dtype=float), buf_out: wp.array(dtype=float), buf_in: wp.array(dtype=float),
+                         y: wp.array(dtype=float)):
+    i = wp.tid()
+    buf_out[i] = 2.0 * x[i]
+    y[i] = buf_in[i] + 1.0  # mujoco_warp's fused linesearch: reads back what it wrote, through another parameter
+
+
+def test_one_array_passed_as_two_parameters_replays_as_warp_runs_it():
+    """Before: the replay gave each parameter its own value, so y read the old buffer (mujoco_warp's cart-pole
+    drifted 0.09 in qpos from step 24). Now the kernel runs with the parameters merged."""
+    x, buf, y = wp.array(np.arange(4.0, dtype=np.float32)), wp.zeros(4, dtype=float), wp.zeros(4, dtype=float)
+    program = warpnn.trace(lambda: wp.launch(write_then_read_back, 4, [x, buf, buf], [y]), {"x": x}, {"y": y, "buf": buf})
+    wp.launch(write_then_read_back, 4, [x, buf, buf], [y])
+    out = program({"x": jnp.arange(4.0)})
+    assert_close(out["y"], y.numpy())
+    assert_close(out["y"], 2.0 * np.arange(4.0) + 1.0)
+    assert_close(out["buf"], 2.0 * np.arange(4.0))
+    # reading back what the launch wrote is beyond Warp's adjoint: refused with the reason, never a wrong gradient
+    with pytest.raises(TypeError, match="reads it after the kernel wrote it"):
+        jax.grad(lambda x: program({"x": x})["y"].sum())(jnp.arange(4.0))
+
+
+@wp.kernel
+def fill_matrices(m: wp.array(dtype=wp.mat33)):
+    i = wp.tid()
+    m[i] = wp.mat33(float(i), 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+
+
+@wp.kernel
+def sum_rows(rows: wp.array2d(dtype=wp.vec3), total: wp.array(dtype=float)):
+    i, r = wp.tid()
+    wp.atomic_add(total, i, rows[i, r][0] + rows[i, r][1] + rows[i, r][2])
+
+
+def test_memory_read_back_as_another_shape_replays_as_a_reshape():
+    """mujoco_warp reads its (n,) mat33 contact frames as (n, 3) vec3 through wp.array(ptr=...): one value."""
+    m, total = wp.zeros(3, dtype=wp.mat33), wp.zeros(3, dtype=float)
+    rows = wp.array(ptr=m.ptr, dtype=wp.vec3, shape=(3, 3), device=m.device)
+
+    def run():
+        wp.launch(fill_matrices, 3, [], [m])
+        wp.launch(sum_rows, (3, 3), [rows], [total])
+
+    program = warpnn.trace(run, {}, {"total": total})
+    run()
+    assert_close(program({})["total"], total.numpy())
+    assert_close(program({})["total"], np.arange(3.0) + 36.0)
+
+
+@wp.kernel
+def write_matrices_read_rows(m: wp.array(dtype=wp.mat33), rows: wp.array2d(dtype=wp.vec3), t: wp.array(dtype=float)):
+    i = wp.tid()
+    m[i] = wp.mat33(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+    t[i] = rows[i, 0][0]
+
+
+def test_one_memory_as_two_shapes_in_one_writing_launch_is_refused():
+    m, t = wp.zeros(2, dtype=wp.mat33), wp.zeros(2, dtype=float)
+    rows = wp.array(ptr=m.ptr, dtype=wp.vec3, shape=(2, 3), device=m.device)
+    with pytest.raises(TypeError, match="different shapes or types over the same memory"):
+        warpnn.trace(lambda: wp.launch(write_matrices_read_rows, 2, [m, rows], [t]), {}, {"t": t})

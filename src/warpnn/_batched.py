@@ -591,6 +591,48 @@ def with_parameters_reordered(kernel, order: tuple[str, ...]):
         return reordered
 
 
+_MERGED: dict[tuple[int, tuple[tuple[str, str], ...]], tuple[Any, Any]] = {}
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, names: dict[str, str]):
+        self.names = names
+
+    def visit_Name(self, node: ast.Name):
+        return ast.copy_location(ast.Name(self.names.get(node.id, node.id), node.ctx), node)
+
+
+def with_parameters_merged(kernel, merged: tuple[tuple[str, str], ...]):
+    """``kernel`` with each parameter ``drop`` of ``merged``'s ``(drop, keep)`` pairs removed and its uses reading
+    ``keep``: the kernel a launch runs when it passes one array as both (Warp then reads, through ``drop``, what
+    it wrote through ``keep`` in the same launch; a replay giving each parameter its own value would not).
+
+    Refused (ValueError) where the body assigns to either name: then the two names are not one array throughout.
+    """
+    with _LOCK:
+        cached = _MERGED.get((id(kernel), merged))
+        if cached is not None and cached[0] is kernel:
+            return cached[1]
+        adj = kernel.adj
+        arg_types = {k: v for k, v in adj.arg_types.items() if k != "return"}
+        names = dict(merged)
+        fn = adj.tree.body[0]
+        bound = {t.id for n in ast.walk(fn) for t in (n.targets if isinstance(n, ast.Assign) else
+                 [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else []) if isinstance(t, ast.Name)}
+        rebound = sorted(bound & {*names, *names.values()})
+        if rebound:
+            raise ValueError(f"Kernel '{kernel.key}' assigns to parameter(s) {rebound}, passed the same array.")
+        name = f"{fn.name}__warpnn_merged"
+        body = [_Rename(names).visit(stmt) for stmt in copy.deepcopy(fn.body)]
+        body_source = ast.unparse(ast.Module(body=body, type_ignores=[]))
+        kept = [n for n in arg_types if n not in names]
+        source = f"def {name}({', '.join(kept)}):\n" + textwrap.indent(body_source, "    ") + "\n"
+        twin = _kernel_from_source(kernel, source, name, {n: arg_types[n] for n in kept}, key=kernel.key,
+                                   kind="warpnn_merged")
+        _MERGED[(id(kernel), merged)] = (kernel, twin)
+        return twin
+
+
 def _returns_only_at_top(body: list[ast.stmt]) -> bool:
     """Whether every ``return`` of the kernel body is outside its loops (it can become the row loop's ``continue``)."""
 

@@ -45,7 +45,7 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
-from ._batched import with_parameters_reordered
+from ._batched import with_parameters_merged, with_parameters_reordered
 from ._bridge import jax_kernel
 from ._signature import fully_written, kernel_array_uses
 
@@ -75,6 +75,11 @@ PYTHON_STATE_MESSAGE = (
     "recorded launches, so every replayed step would behave as the traced one did (a step counter, a cached "
     "flag), whatever that state becomes. warpnn put the values back. Fix: keep that state out of the step, or, "
     "if the launches do not depend on it, name it in warpnn.trace(..., python_state=[...]) to accept it."
+)
+ALIASED_PARAMETERS_MESSAGE = (
+    "warpnn.trace: kernel '{key}' is launched with one array as parameters {pairs}{why}, and writes it, so it reads "
+    "through one parameter what it wrote through the other. warpnn could not replay that (it runs such a kernel "
+    "with the parameters merged into one). Fix: pass the array once, or separate arrays."
 )
 UNSUPPORTED_OP_MESSAGE = (
     "warpnn.trace: the traced function called {what}, which runs outside Warp's kernel launches (native "
@@ -143,8 +148,9 @@ class WarpProgram:
     Warp arrays' shapes (a ``wp.array(dtype=wp.vec3)`` of length n is an ``(n, 3)`` array).
     """
 
-    def __init__(self, ops, arrays, constants, input_keys, output_keys):
+    def __init__(self, ops, arrays, constants, input_keys, output_keys, views=None):
         self._ops = tuple(ops)
+        self._views: dict[Any, Any] = dict(views or {})  # array key -> the key whose value it reshapes
         self._arrays: dict[Any, _ArrayInfo] = arrays
         self._constants_np: dict[Any, np.ndarray] = constants
         self._constants: dict[Any, jax.Array] | None = None
@@ -178,9 +184,11 @@ class WarpProgram:
                 written.add(op.dest)
             elif isinstance(op, _Fill):
                 written.add(op.dest)
+        base = lambda key: self._views.get(key, key)  # noqa: E731
+        read, written = {base(k) for k in read}, {base(k) for k in written}
         inputs = set(self._input_keys.values())
         return [name for name, (src, dest) in pairs.items()
-                if _array_key(src) in read - inputs and _array_key(dest) in written]
+                if base(_array_key(src)) in read - inputs and base(_array_key(dest)) in written]
 
     def describe(self) -> str:
         """One line per recorded operation: what the replay does."""
@@ -218,7 +226,7 @@ class WarpProgram:
         for op in self._ops:
             keys = [*_array_keys(op.inputs), *(k for k, _ in op.results if k is not None)] \
                 if isinstance(op, _Launch) else [getattr(op, "src", None), op.dest]
-            used += [k for k in keys if k is not None and k not in used]
+            used += [b for k in keys if k is not None and (b := self._views.get(k, k)) not in used]
         inputs = set(self._input_keys.values())
         return {k: f"{i:03d}:{self._arrays[k].label}" for i, k in enumerate(k for k in used if k not in inputs)}
 
@@ -262,18 +270,24 @@ class WarpProgram:
             env[key] = jnp.asarray(value)
 
         def get(key):
-            return env[key] if key in env else self._constant(key)
+            base = self._views.get(key, key)
+            value = env[base] if base in env else self._constant(base)
+            return value if base is key else value.reshape(self._arrays[key].shape)
+
+        def put(key, value):
+            base = self._views.get(key, key)
+            env[base] = value if base is key else value.reshape(self._arrays[base].shape)
 
         for op in self._ops:
             if isinstance(op, _Launch):
-                _replay_launch(op, get, env)
+                _replay_launch(op, get, put)
             elif isinstance(op, _Copy):
-                env[op.dest] = _replay_copy(op, get(op.dest), get(op.src))
+                put(op.dest, _replay_copy(op, get(op.dest), get(op.src)))
             elif isinstance(op, _Fill):
                 info = self._arrays[op.dest]
-                env[op.dest] = jnp.broadcast_to(jnp.asarray(op.value, info.dtype), info.shape)
+                put(op.dest, jnp.broadcast_to(jnp.asarray(op.value, info.dtype), info.shape))
             else:
-                env[op.dest] = get(op.src)
+                put(op.dest, get(op.src))
         return {name: get(key) for name, key in self._output_keys.items()}
 
 
@@ -299,13 +313,13 @@ def _argument(kind, value, get):
     return None if kind == "none" else value
 
 
-def _replay_launch(op: _Launch, get, env) -> None:
+def _replay_launch(op: _Launch, get, put) -> None:
     args = [_argument(kind, v, get) for kind, v in op.inputs]
     call = _kernel_call(op.kernel, op.num_outputs, op.in_out_names, op.block_dim)
     results = call(*args, launch_dims=op.dims, output_dims=dict(op.output_dims) if op.output_dims else None)
     for (key, _), result in zip(op.results, results):
         if key is not None:  # a None result is Warp's null array: nothing to keep
-            env[key] = result
+            put(key, result)
 
 
 def _replay_copy(op: _Copy, dest: jax.Array, src: jax.Array) -> jax.Array:
@@ -344,6 +358,9 @@ class _Recorder:
         self.depth = 0  # >0 while a recorded operation runs (its internal launches are not recorded)
         self._nbytes: dict[Any, int] = {}
         self._objects: dict[Any, wp.array] = {}
+        # another shape or dtype over exactly the memory of an array registered before (mujoco_warp reads a
+        # (n,) mat33 array as (n, 3) vec3): replayed as a reshape of that array's value
+        self.views: dict[Any, Any] = {}
         self.input_keys = {}
         for name, arr in input_arrays.items():
             if not isinstance(arr, wp.array):
@@ -353,6 +370,8 @@ class _Recorder:
                     "1-element array the kernel reads."
                 )
             self.input_keys[name] = self.touch(arr, name)
+            if self.input_keys[name] in self.views:
+                raise TypeError(f"warpnn.trace: input '{name}' shares its memory with another input; pass separate arrays.")
 
     # -- arrays --------------------------------------------------------------------------------
 
@@ -370,27 +389,36 @@ class _Recorder:
         key: Any = _array_key(arr)
         if key in self.arrays:
             return key
+        info = _ArrayInfo(key, _jax_shape(arr), _scalar_dtype(arr.dtype), label)
         if arr.ptr:
             start, end = arr.ptr, arr.ptr + arr.capacity
             for other in self.arrays.values():
                 o: Any = other.key
-                if o[0] != "empty" and o[3] == key[3] and o[0] < end and start < o[0] + self._nbytes[o]:
-                    raise TypeError(
-                        f"warpnn.trace: argument '{label}' (shape {arr.shape}, {arr.dtype.__name__}) shares memory "
-                        f"with '{other.label}' (another view of the same allocation). The replay treats arrays "
-                        "as separate values, so aliasing views cannot be replayed. Fix: use separate arrays."
-                    )
+                if o in self.views or not (o[0] != "empty" and o[3] == key[3] and o[0] < end and start < o[0] + self._nbytes[o]):
+                    continue
+                if (o[0] == start and self._nbytes[o] == arr.capacity and other.dtype == info.dtype
+                        and math.prod(other.shape) == math.prod(info.shape)):
+                    self.views[key] = o  # the same bytes as the same scalars: a reshape of one value
+                    break
+                raise TypeError(
+                    f"warpnn.trace: argument '{label}' (shape {arr.shape}, {arr.dtype.__name__}) shares memory "
+                    f"with '{other.label}' (part of the same allocation, or its bytes as other scalars). The replay "
+                    "treats arrays as separate values; it follows only an array seen again whole as another shape "
+                    "of the same scalars. Fix: use separate arrays."
+                )
         self._nbytes[key] = arr.capacity
         self._objects[key] = arr
-        self.arrays[key] = _ArrayInfo(key, _jax_shape(arr), _scalar_dtype(arr.dtype), label)
+        self.arrays[key] = info
         return key
 
     def touch(self, arr: wp.array, label: str):
         """Register ``arr`` and keep its pre-step value (before the operation that touches it runs)."""
         key = self.register(arr, label)
-        if key not in self.snapshots:
+        base = self.views.get(key, key)  # a view's value is its base array's
+        if base not in self.snapshots:
             with self.suspended():
-                self.snapshots[key] = arr.numpy().copy() if arr.size else np.zeros(self.arrays[key].shape, self.arrays[key].dtype)
+                self.snapshots[base] = (self._objects[base].numpy().copy() if arr.size
+                                        else np.zeros(self.arrays[base].shape, self.arrays[base].dtype))
         return key
 
     @contextlib.contextmanager
@@ -417,6 +445,16 @@ class _Recorder:
         dims = (int(dim),) if isinstance(dim, (int, np.integer)) else tuple(int(d) for d in dim)
         if math.prod(dims) == 0:  # Warp launches nothing: nothing changes
             return
+        merged = self._one_array_twice(kernel, args)
+        if merged:
+            try:
+                kernel = with_parameters_merged(kernel, merged)
+            except Exception as e:  # noqa: BLE001 - no source to regenerate, or a name the body rebinds
+                raise TypeError(ALIASED_PARAMETERS_MESSAGE.format(
+                    key=kernel.key, pairs=", ".join(f"'{d}' and '{k}'" for d, k in merged), why=f" ({e})")) from e
+            dropped = {d for d, _ in merged}
+            args = [a for p, a in zip(params, args) if p.label not in dropped]
+            params = kernel.adj.args
         uses = kernel_array_uses(kernel)
         is_array = [p.label in uses for p in params]
         written = [is_array[i] and uses[p.label].writes for i, p in enumerate(params)]
@@ -472,6 +510,30 @@ class _Recorder:
             results.append((key, p.label))
         self.ops.append(_Launch(kernel, dims, block_dim or None, len(results), tuple(in_out),
                                 tuple(call_inputs), tuple(results), tuple(output_dims)))
+
+    def _one_array_twice(self, kernel, args) -> tuple[tuple[str, str], ...]:
+        """``(drop, keep)`` pairs of parameters the launch passes one array to, where the kernel writes either.
+
+        Warp then reads through one parameter what the launch wrote through the other; the replay runs the kernel
+        with the two merged (``_batched.with_parameters_merged``). The same memory seen as two shapes
+        (``self.views``) in one launch with a write cannot be merged: refused."""
+        uses = kernel_array_uses(kernel)
+        by_memory: dict[Any, list[tuple[str, Any]]] = {}
+        for p, value in zip(kernel.adj.args, args):
+            if isinstance(value, wp.array) and value.ptr and p.label in uses:
+                key = self.register(value, p.label)
+                by_memory.setdefault(self.views.get(key, key), []).append((p.label, key))
+        pairs = []
+        for group in by_memory.values():
+            if len(group) < 2 or not any(uses[name].writes for name, _ in group):
+                continue
+            if len({key for _, key in group}) > 1:
+                raise TypeError(ALIASED_PARAMETERS_MESSAGE.format(
+                    key=kernel.key, pairs=" and ".join(f"'{n}'" for n, _ in group),
+                    why=" as arrays of different shapes or types over the same memory"))
+            keep = next(name for name, _ in group if uses[name].writes)
+            pairs += [(name, keep) for name, _ in group if name != keep]
+        return tuple(pairs)
 
     def _struct_spec(self, value, label):
         """A struct argument as (field, kind, value) triples, arrays by key, nested structs recursively."""
@@ -866,4 +928,4 @@ def trace(
         changes = _restore_python_state(state, fn, tuple(python_state))
     if ran and changes:  # (after a failure, the failure is the news; the state is put back either way)
         raise RuntimeError(PYTHON_STATE_MESSAGE.format(changes=", ".join(changes)))
-    return WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys)
+    return WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys, rec.views)
