@@ -184,14 +184,12 @@ class MujocoStep:
         writes inside a ``@wp.func`` that Warp's adjoint would replay. The stage is the mujoco_warp module
         (``smooth``, ``forward``, ``passive``, ``constraint``, ``solver``, ``collision_*``, ...).
         """
-        # The bridge's analysis of a kernel (one source of truth) over the recorded launches. Both are private to
-        # warpnn today: a public WarpProgram.launches() would let this method drop the two imports.
+        # The bridge's analysis of a kernel (one source of truth) over the recorded launches.
         from warpnn._signature import signature_of
-        from warpnn._tracer import _Launch
 
         refused: dict[str, str] = {}
-        for op in self.program._ops:
-            if not isinstance(op, _Launch) or op.kernel.key in refused:
+        for op in self.program.launches():
+            if op.kernel.key in refused:
                 continue
             kernel = op.kernel
             sig = signature_of(kernel, op.num_outputs, list(op.in_out_names), op.block_dim)

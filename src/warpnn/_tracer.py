@@ -120,6 +120,20 @@ class _Launch:
 
 
 @dataclasses.dataclass(frozen=True)
+class LaunchRecord:
+    """One recorded launch as the replay runs it: ``warpnn.jax_kernel(kernel, num_outputs,
+    in_out_argnames=in_out_names, block_dim=block_dim)`` called with ``launch_dims=dims``. ``kernel`` may be a
+    twin of the launched one with the same body (parameters reordered or merged, see :func:`warpnn.trace`)."""
+
+    kernel: Any
+    dims: tuple[int, ...]
+    block_dim: int | None
+    num_outputs: int
+    in_out_names: tuple[str, ...]
+    output_dims: tuple[tuple[str, tuple[int, ...]], ...]  # JAX shapes of the pure outputs, by name
+
+
+@dataclasses.dataclass(frozen=True)
 class _Copy:
     dest: Any
     src: Any
@@ -242,6 +256,16 @@ class WarpProgram:
 
     def __call__(self, inputs: Mapping[str, Any], constants: Mapping[str, Any] | None = None) -> dict[str, jax.Array]:
         """Replay the recorded operations on ``inputs``; ``constants``: from :meth:`constants` (optional)."""
+        return self._replay(inputs, constants)
+
+    def launches(self) -> tuple[LaunchRecord, ...]:
+        """The recorded kernel launches, in order: what each replays (see :class:`LaunchRecord`)."""
+        return tuple(LaunchRecord(op.kernel, op.dims, op.block_dim, op.num_outputs, op.in_out_names, op.output_dims)
+                     for op in self._ops if isinstance(op, _Launch))
+
+    def _replay(self, inputs, constants=None, on_launch=None) -> dict[str, jax.Array]:
+        """``__call__``; ``on_launch(record, args)`` sees each launch's arguments before it runs (for tests that
+        check each recorded launch against Warp running it)."""
         env: dict[Any, jax.Array] = {}
         if constants is not None:
             names = self._constant_names
@@ -280,6 +304,9 @@ class WarpProgram:
 
         for op in self._ops:
             if isinstance(op, _Launch):
+                if on_launch is not None:
+                    on_launch(LaunchRecord(op.kernel, op.dims, op.block_dim, op.num_outputs, op.in_out_names, op.output_dims),
+                              [_argument(kind, v, get) for kind, v in op.inputs])
                 _replay_launch(op, get, put)
             elif isinstance(op, _Copy):
                 put(op.dest, _replay_copy(op, get(op.dest), get(op.src)))
