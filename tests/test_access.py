@@ -106,15 +106,16 @@ def _tape_vjp(kernel, x, cotangent, dims, tiled_block=None):
     tape = wp.Tape()
     with tape:
         if tiled_block:
-            wp.launch_tiled(kernel, dim=dims, inputs=[xw], outputs=[out], block_dim=tiled_block)
+            wp.launch_tiled(kernel, dim=dims[:-1], inputs=[xw], outputs=[out], block_dim=tiled_block)
         else:
             wp.launch(kernel, dims, inputs=[xw], outputs=[out])
     tape.backward(grads={out: wp.array(np.asarray(cotangent), dtype=float)})
     return out.numpy(), xw.grad.numpy()
 
 
+# (tile_rows: launch_dims carry the block, as wp.launch_tiled(dim=2, block_dim=4) launches (2, 4) threads)
 @pytest.mark.parametrize("kernel, dims, block", [(atomic_through_row_view, (2, 4), None),
-                                                 (store_through_row_view, (2, 4), None), (tile_rows, (2,), 4)],
+                                                 (store_through_row_view, (2, 4), None), (tile_rows, (2, 4), 4)],
                          ids=["atomic-row-view", "store-row-view", "tile-store-row"])
 def test_gradients_through_views_equal_wp_tape(kernel, dims, block):
     x = jnp.arange(1.0, 9.0).reshape(2, 4)

@@ -592,7 +592,8 @@ def _through_state_without_grad(x: wp.array(dtype=float), y: wp.array(dtype=floa
 def test_closure_state_without_a_gradient_is_refused_not_zero():
     f = warpnn.jax_callable(_through_state_without_grad)
     with pytest.raises(RuntimeError, match="'_triple' reads the float array 's'"):
-        jax.grad(lambda x: f(x)[0].sum())(jnp.arange(1.0, 6.0))
+        # (on a GPU the error reaches Python when the result does: block on it)
+        jax.block_until_ready(jax.grad(lambda x: f(x)[0].sum())(jnp.arange(1.0, 6.0)))
 
 
 @wp.kernel

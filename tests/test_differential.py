@@ -33,7 +33,8 @@ newton = pytest.importorskip("newton")
 
 @pytest.fixture(autouse=True)
 def on_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
+    """Trace and replay on the CPU (also on a GPU host): the reference Warp launches run on the same device."""
+    with jax.default_device(jax.devices("cpu")[0]), wp.ScopedDevice("cpu"):
         yield
 
 

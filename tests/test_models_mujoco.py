@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import warp as wp
 
 mjw = pytest.importorskip("mujoco_warp")
 mujoco = pytest.importorskip("mujoco")
@@ -120,14 +121,14 @@ def mj_step_loop(mjm, mjd, ctrls=None, steps=T):
 @pytest.fixture(autouse=True)
 def on_cpu():
     """mujoco_warp's arrays live on Warp's CPU device here: replay there too (also on a GPU host)."""
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.devices("cpu")[0]), wp.ScopedDevice("cpu"):
         yield
 
 
 @pytest.fixture(scope="module")
 def arm():
     mjm, mjd = start(ARM, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.devices("cpu")[0]), wp.ScopedDevice("cpu"):
         step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "actuator_gainprm"))
     return step, step.mjm, mjd
 
@@ -135,7 +136,7 @@ def arm():
 @pytest.fixture(scope="module")
 def arm_rollout(arm):
     step, _, _ = arm
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.devices("cpu")[0]), wp.ScopedDevice("cpu"):
         run = jax.jit(lambda s, c, p: rollout(step, s, {"ctrl": c}, p))
         return run, run(step.initial_state(), arm_controls(), step.initial_params())
 
