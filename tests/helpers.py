@@ -18,3 +18,22 @@ def subprocess_env(*first: str, **variables: str) -> dict[str, str]:
     visible to the child: replacing ``PYTHONPATH`` crashed every fuzz case there with "No module named 'warp'"."""
     path = [*first, ROOT, os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, **variables, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+def on_one_device():
+    """Warp's default device and JAX's on one platform: the GPU on a GPU host, else the CPU (a context manager).
+
+    A program traced from launches with thread blocks replays only on the platform it was traced on."""
+    import contextlib
+
+    import jax
+    import warp as wp
+
+    stack = contextlib.ExitStack()
+    if jax.default_backend() == "gpu":
+        stack.enter_context(jax.default_device(jax.devices("gpu")[0]))
+        stack.enter_context(wp.ScopedDevice("cuda:0"))
+    else:
+        stack.enter_context(jax.default_device(jax.devices("cpu")[0]))
+        stack.enter_context(wp.ScopedDevice("cpu"))
+    return stack

@@ -28,13 +28,15 @@ import warp as wp
 
 import warpnn
 
+from .helpers import on_one_device
+
 newton = pytest.importorskip("newton")
 
 
 @pytest.fixture(autouse=True)
 def on_cpu():
-    """Trace and replay on the CPU (also on a GPU host): the reference Warp launches run on the same device."""
-    with jax.default_device(jax.devices("cpu")[0]), wp.ScopedDevice("cpu"):
+    """Newton's scenes are built on Warp's CPU device (tests/test_models_newton.py): replay there too."""
+    with jax.default_device(jax.devices("cpu")[0]):
         yield
 
 
@@ -181,7 +183,8 @@ def test_mujoco_warp_step_launches():
     from .test_models_mujoco import BOX, start
 
     mjm, mjd = start(BOX)
-    step = MujocoStep(mjm, mjd)
-    counts, failures = run_program(step.program, step.program.initial_inputs())
+    with on_one_device():  # (on a GPU host: both on the GPU, where mujoco_warp's tile Cholesky compiles)
+        step = MujocoStep(mjm, mjd)
+        counts, failures = run_program(step.program, step.program.initial_inputs())
     assert failures == [], failures
     assert counts["launches"] >= 80 and counts["vmap compared"] >= 80 and counts["reverse compared"] >= 5, counts

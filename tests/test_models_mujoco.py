@@ -17,6 +17,7 @@ import warp as wp
 mjw = pytest.importorskip("mujoco_warp")
 mujoco = pytest.importorskip("mujoco")
 
+from .helpers import on_one_device  # noqa: E402
 from warpnn_models.mujoco import MujocoStep, equinox_module, nnx_module, rollout  # noqa: E402
 
 T = 50
@@ -120,15 +121,15 @@ def mj_step_loop(mjm, mjd, ctrls=None, steps=T):
 
 @pytest.fixture(autouse=True)
 def on_cpu():
-    """mujoco_warp's arrays live on Warp's CPU device here: replay there too (also on a GPU host)."""
-    with jax.default_device(jax.devices("cpu")[0]), wp.ScopedDevice("cpu"):
+    """mujoco_warp's arrays and the replay on one platform: the CPU here, the GPU on a GPU host."""
+    with on_one_device():
         yield
 
 
 @pytest.fixture(scope="module")
 def arm():
     mjm, mjd = start(ARM, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
-    with jax.default_device(jax.devices("cpu")[0]), wp.ScopedDevice("cpu"):
+    with on_one_device():
         step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "actuator_gainprm"))
     return step, step.mjm, mjd
 
@@ -136,7 +137,7 @@ def arm():
 @pytest.fixture(scope="module")
 def arm_rollout(arm):
     step, _, _ = arm
-    with jax.default_device(jax.devices("cpu")[0]), wp.ScopedDevice("cpu"):
+    with on_one_device():
         run = jax.jit(lambda s, c, p: rollout(step, s, {"ctrl": c}, p))
         return run, run(step.initial_state(), arm_controls(), step.initial_params())
 

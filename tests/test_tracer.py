@@ -516,3 +516,13 @@ def test_one_memory_as_two_shapes_in_one_writing_launch_is_refused():
     rows = wp.array(ptr=m.ptr, dtype=wp.vec3, shape=(2, 3), device=m.device)
     with pytest.raises(TypeError, match="different shapes or types over the same memory"):
         warpnn.trace(lambda: wp.launch(write_matrices_read_rows, 2, [m, rows], [t]), {}, {"t": t})
+
+
+def test_a_program_with_thread_blocks_replays_only_on_the_platform_it_was_traced_on():
+    x, out = wp.array(np.ones((2, 8), np.float32), device="cpu"), wp.zeros((2, 8), dtype=float, device="cpu")
+    program = warpnn.trace(lambda: wp.launch_tiled(tile_square_rows, dim=2, inputs=[x], outputs=[out], block_dim=8,
+                                                   device="cpu"), {"x": x}, {"out": out})
+    # as if traced on the other platform than the replay's: refused, not run
+    program._platform = "cpu" if jax.default_backend() == "gpu" else "gpu"
+    with pytest.raises(TypeError, match="replays only where it was traced"):
+        program({"x": jnp.ones((2, 8))})

@@ -165,6 +165,7 @@ class WarpProgram:
     def __init__(self, ops, arrays, constants, input_keys, output_keys, views=None):
         self._ops = tuple(ops)
         self._views: dict[Any, Any] = dict(views or {})  # array key -> the key whose value it reshapes
+        self._platform: str | None = None  # where the traced launches ran (set by trace)
         self._arrays: dict[Any, _ArrayInfo] = arrays
         self._constants_np: dict[Any, np.ndarray] = constants
         self._constants: dict[Any, jax.Array] | None = None
@@ -258,6 +259,27 @@ class WarpProgram:
         """Replay the recorded operations on ``inputs``; ``constants``: from :meth:`constants` (optional)."""
         return self._replay(inputs, constants)
 
+    def _check_platform(self, inputs) -> None:
+        """Refuse a replay on another platform than the trace's where a launch's meaning depends on it: launches
+        with thread blocks (``launch_tiled``, ``block_dim``: a CUDA block is one CPU thread; mujoco_warp traced on
+        CUDA and replayed on the CPU gave NaN, silently)."""
+        if self._platform is None:
+            return
+        concrete = [v for v in inputs.values() if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)]
+        if concrete:
+            target = next(iter(concrete[0].devices())).platform
+        else:
+            default = jax.config.jax_default_device
+            target = default.platform if default is not None and not isinstance(default, str) else jax.default_backend()
+        target = "gpu" if target in ("gpu", "cuda", "rocm") else target
+        if target != self._platform:
+            raise TypeError(
+                f"warpnn.WarpProgram: traced from launches with thread blocks (wp.launch_tiled / block_dim) on the "
+                f"{self._platform.upper()} and replayed on the {target.upper()}. What such a launch computes depends on "
+                "the device, so the program replays only where it was traced. Fix: trace on the device you replay on (create the Warp "
+                f"arrays there, e.g. with wp.ScopedDevice), or replay under jax.default_device on the {self._platform.upper()}."
+            )
+
     def launches(self) -> tuple[LaunchRecord, ...]:
         """The recorded kernel launches, in order: what each replays (see :class:`LaunchRecord`)."""
         return tuple(LaunchRecord(op.kernel, op.dims, op.block_dim, op.num_outputs, op.in_out_names, op.output_dims)
@@ -266,6 +288,7 @@ class WarpProgram:
     def _replay(self, inputs, constants=None, on_launch=None) -> dict[str, jax.Array]:
         """``__call__``; ``on_launch(record, args)`` sees each launch's arguments before it runs (for tests that
         check each recorded launch against Warp running it)."""
+        self._check_platform(inputs)
         env: dict[Any, jax.Array] = {}
         if constants is not None:
             names = self._constant_names
@@ -388,6 +411,7 @@ class _Recorder:
         # another shape or dtype over exactly the memory of an array registered before (mujoco_warp reads a
         # (n,) mat33 array as (n, 3) vec3): replayed as a reshape of that array's value
         self.views: dict[Any, Any] = {}
+        self.platform: str | None = None  # "cpu" or "gpu": where launches with thread blocks ran (WarpProgram._check_platform)
         self.input_keys = {}
         for name, arr in input_arrays.items():
             if not isinstance(arr, wp.array):
@@ -678,6 +702,8 @@ def _hooked_launch(*args, **kwargs):
         a = bound.arguments
         device = a["stream"].device if a["stream"] is not None else a["device"]  # as wp.launch decides it
         _check_launch_device(a["kernel"], device, [*a["inputs"], *a["outputs"]])
+        if a["block_dim"] is not None:  # thread blocks (tiles): a launch whose meaning depends on the device
+            rec.platform = rec.platform or ("gpu" if wp.get_device(device).is_cuda else "cpu")
         if a["record_cmd"]:
             raise TypeError(UNSUPPORTED_OP_MESSAGE.format(
                 what=f"wp.launch(record_cmd=True) of kernel '{getattr(a['kernel'], 'key', a['kernel'])}' (a Launch "
@@ -955,4 +981,6 @@ def trace(
         changes = _restore_python_state(state, fn, tuple(python_state))
     if ran and changes:  # (after a failure, the failure is the news; the state is put back either way)
         raise RuntimeError(PYTHON_STATE_MESSAGE.format(changes=", ".join(changes)))
-    return WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys, rec.views)
+    program = WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys, rec.views)
+    program._platform = rec.platform
+    return program
