@@ -1,6 +1,8 @@
 """Shared fixtures. The suite runs unchanged on CPU (CI) and on a GPU machine: the backend is whatever
 JAX picks; tests marked ``gpu`` skip cleanly when no GPU is present."""
 
+import gc
+
 import jax
 import pytest
 import warp as wp
@@ -20,6 +22,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """Free the run's garbage now, while the session is still finishing, and freeze what is left.
+
+    Under ``-n auto`` an xdist worker reports "workerfinished" at the end of this hook; the controller then
+    asks it to exit, and execnet sends the worker a SIGINT when it has not finished within 5 s (the
+    ``KeyboardInterrupt`` traceback that ended some runs). What the worker still does then is pytest's
+    unconfigure: the unraisable-exception and thread-exception plugins each run a full ``gc.collect()``,
+    which after a whole suite walks every object JAX, Warp and the tests made and runs the finalizers of
+    freed XLA executables: seconds on a loaded 2-core machine. Collected here instead (the controller waits
+    for "workerfinished" without a limit), with JAX's compilation caches dropped first; ``gc.freeze()`` then
+    leaves those later collections only what was made after this point."""
+    jax.clear_caches()
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture
