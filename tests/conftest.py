@@ -15,7 +15,23 @@ def pytest_addoption(parser):
                      help="cross-check the access facts over every corpus package, warp.examples included (slow)")
 
 
+# The longest tests (tens of seconds of subprocesses each on a 2-core machine), in the order they start. Under
+# -n auto xdist hands tests out in collection order, and one of these started last kept one worker busy for half
+# a minute after the other had finished; started first, they overlap with the many short tests.
+SLOW_FIRST = (
+    "tests/test_warp_interop.py::",
+    "tests/test_access.py::test_walk_agrees_with_warp_codegen_on_real_code",
+    "tests/test_sharding.py::",
+    "tests/test_train_cli.py::",
+)
+
+
+def _slow_first(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(SLOW_FIRST) if nodeid.startswith(prefix)), len(SLOW_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: _slow_first(item.nodeid))  # stable: collection order otherwise
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.default_backend() != 'gpu')")
