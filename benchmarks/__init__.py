@@ -1,1 +1,1 @@
-"""Benchmarks: run ``python -m benchmarks`` (see run.py)."""
+"""Benchmarks: ``python -m benchmarks`` regenerates the overview tables, ``python -m benchmarks NAME`` one other table (``--list``)."""

@@ -1,13 +1,18 @@
-"""Run every benchmark in one go and write one table: ``python -m benchmarks [--out DIR] [--skip-train]``.
+"""The one entry point that regenerates the benchmark tables of docs/.
 
-Each part runs in its own process (XLA reads its flags once per process), with XLA's default flags and
-with warpnn.enable_cuda_graph_capture()'s flags (on a GPU). Writes ``DIR/benchmarks.json`` and
-``DIR/benchmarks.md`` (default DIR: docs/).
+    python -m benchmarks [--out DIR] [--skip-train]   # the overview tables: docs/benchmarks-{gpu,cpu}.{md,json}
+    python -m benchmarks NAME [ARGS...]               # one benchmark: python -m benchmarks NAME --help
+    python -m benchmarks --list                       # the names
+
+Without NAME each part runs in its own process (XLA reads its flags once per process), with XLA's default
+flags and with warpnn.enable_cuda_graph_capture()'s flags (on a GPU). Writes ``DIR/benchmarks-{gpu,cpu}.json``
+and ``.md`` (default DIR: docs/). Each docs page with a table names the command that wrote it.
 """
 
 import argparse
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -39,8 +44,39 @@ def _train_steps_per_s(task: str, steps: int) -> dict:
     return {"task": task, "steps": steps, "steps_per_s": metrics.get("steps_per_s")}
 
 
+# NAME -> what its table shows (and where it goes).
+BENCHMARKS = {
+    "bridge": "bridge overhead: warpnn.jax_kernel vs wp.jax_kernel vs pure JAX (part of the overview)",
+    "callable": "warpnn.jax_callable vs Warp with wp.Tape (part of the overview)",
+    "models": "model layers at scale: spring forces and Chamfer distance (part of the overview)",
+    "graph_capture": "handler entries per 1000 launches under CUDA graphs (GPU; part of the overview)",
+    "vmap_batch": "vmap over many small cloths: docs/benchmarks-speed-{gpu,cpu}.md",
+    "heat": "heat stencil in a lax.scan, CPU-thread scaling: docs/benchmarks-speed-{gpu,cpu}.md",
+    "cpu_codegen": "where a Warp CPU kernel's time per element goes: docs/benchmarks-speed-cpu.md",
+    "checked_mode": "what checked mode costs: docs/checked-mode-{gpu,cpu}.md",
+    "tiles_inout": "tile matmul and in-out accumulation: docs/tiles-inout-{gpu,cpu}.md",
+    "newton_rollout": "Newton rollout vs wp.Tape: docs/newton-rollout-{gpu,cpu}.md",
+    "multi_gpu": "data-parallel cloth training on 1..N GPUs: docs/multi_gpu.md",
+    "launch_overhead": "per-call overhead of warpnn's launchers",
+}
+
+
+def _run_one(name: str, args: list[str]) -> None:
+    sys.argv = [f"python -m benchmarks {name}", *args]
+    runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "--list":
+        print("\n".join(f"{name:16} {what}" for name, what in BENCHMARKS.items()))
+        return
+    if argv and argv[0] in BENCHMARKS:
+        _run_one(argv[0], argv[1:])
+        return
+    parser = argparse.ArgumentParser(prog="python -m benchmarks",
+                                     epilog="or: python -m benchmarks NAME [ARGS...]; NAME one of "
+                                            + ", ".join(BENCHMARKS))
     parser.add_argument("--out", default="docs")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--train-steps", type=int, default=100)

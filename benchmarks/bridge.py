@@ -5,7 +5,7 @@ kernel on the carry, and a fwd+bwd scan step of the kernel on ``xs[t]`` whose re
 Also counts how often warpnn's handlers were entered per scan step: ~0 means XLA replays a CUDA graph,
 1 (fwd) or 2 (fwd+bwd) means every step calls back into the handler.
 
-    python -m benchmarks.bridge            # this process's XLA_FLAGS
+    python -m benchmarks bridge            # this process's XLA_FLAGS
     python -m benchmarks                    # everything, default flags and --xla_gpu_graph_min_graph_size=1
 """
 

@@ -5,7 +5,7 @@ back into an energy. Timed per iteration, interleaved: Warp's forward alone and 
 backward on preallocated arrays (the cotangents given as ``tape.backward(grads=...)``), against a jitted
 ``warpnn.jax_callable`` forward and ``jax.value_and_grad`` of a loss over both outputs::
 
-    python -m benchmarks.callable [--small]
+    python -m benchmarks callable [--small]
 """
 
 from __future__ import annotations

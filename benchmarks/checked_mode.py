@@ -5,7 +5,7 @@ and fwd+bwd). Checked mode is decided at trace time and switching it clears JAX'
 alternating phases (default, checked, default, checked, ...), each phase compiling its functions once; the
 reported time is the median over all calls of each mode.
 
-    python -m benchmarks.checked_mode            # writes docs/checked-mode-{cpu,gpu}.md and .json
+    python -m benchmarks checked_mode            # writes docs/checked-mode-{cpu,gpu}.md and .json
 """
 
 import argparse
@@ -93,7 +93,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"# Checked mode cost ({env['backend']}: {env['device']})",
         "",
-        f"jax {env['jax']}, warp {env['warp']}, {env['date']}; `python -m benchmarks.checked_mode`. Median wall "
+        f"jax {env['jax']}, warp {env['warp']}, {env['date']}; `python -m benchmarks checked_mode`. Median wall "
         "time per jitted call; checked = the kernels' index-checked variants plus reading the violation record "
         "back (a host callback per call).",
         "",
@@ -107,7 +107,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.checked_mode")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks checked_mode")
     parser.add_argument("--out", default="docs", help="directory for checked-mode-{cpu,gpu}.{md,json}")
     args = parser.parse_args(argv)
     gpu = jax.default_backend() == "gpu"

@@ -1,6 +1,6 @@
 """Where a Warp CPU kernel's time per element goes: the heat stencil in three spellings, and a copy.
 
-``python -m benchmarks.cpu_codegen [--sizes 256,1024]`` launches each kernel with Warp's own ``wp.launch`` on
+``python -m benchmarks cpu_codegen [--sizes 256,1024]`` launches each kernel with Warp's own ``wp.launch`` on
 the CPU (one thread, recorded commands, best of 7) and prints ns per element:
 
 * ``2-D launch``: the stencil as users write it, ``i, j = wp.tid()`` over ``(n, n)``;

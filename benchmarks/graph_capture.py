@@ -3,7 +3,7 @@
 Counts handler entries (Python handler executions) per executed Warp call over many jitted calls:
 0 means every launch came from a replayed CUDA graph; 1 means XLA called back every time.
 
-    python -m benchmarks.graph_capture          # run under the current XLA_FLAGS
+    python -m benchmarks graph_capture          # run under the current XLA_FLAGS
 """
 
 import json

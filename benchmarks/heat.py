@@ -17,7 +17,7 @@ into per-thread partial buffers, summed after the launch).
 ``--scan-launches`` times a 50-step scan of the elementwise kernel (16k, 64k, 256k elements) on 1 thread and on all:
 back-to-back launches, whose hand-over to the pool's workers ``WARPNN_CPU_SPIN_US`` governs.
 
-    python -m benchmarks.heat [--sizes 64,256] [--steps 50] [--threads-table [--thread-counts 1,4,16]] [--scan-launches] [--opt-levels] [--json]
+    python -m benchmarks heat [--sizes 64,256] [--steps 50] [--threads-table [--thread-counts 1,4,16]] [--scan-launches] [--opt-levels] [--json]
 
 ``WARPNN_CPU_ROW_WINDOWS=0`` in the environment runs the scatters with whole partial buffers (no row windows).
 """

@@ -3,7 +3,7 @@
 Compares the native launcher, the Python launcher and the same computation in pure JAX (the difference
 to pure JAX is what a Warp call costs beyond the work itself). Runnable from the repository root::
 
-    python -m benchmarks.launch_overhead [--n 1024] [--reps 200] [--rounds 30]
+    python -m benchmarks launch_overhead [--n 1024] [--reps 200] [--rounds 30]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.launch_overhead", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks launch_overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=200, help="calls per timed round")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (median reported)")

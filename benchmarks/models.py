@@ -1,7 +1,7 @@
 """Model layers at scale: spring forces (cloth) and Chamfer distance, warpnn vs pure JAX of the same math.
 
-    python -m benchmarks.models            # full size on a GPU (4.2M particles / 16.8M springs, 100k points)
-    python -m benchmarks.models --small    # sizes a 2-core CPU finishes in a minute
+    python -m benchmarks models            # full size on a GPU (4.2M particles / 16.8M springs, 100k points)
+    python -m benchmarks models --small    # sizes a 2-core CPU finishes in a minute
 
 Achieved bandwidth is an *effective* number: bytes a spring must move at least (its two indices, three
 parameters, two endpoint positions and velocities read, two 3-vector atomic adds) divided by the device

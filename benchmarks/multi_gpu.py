@@ -1,7 +1,7 @@
 """Data-parallel cloth training on 1..N GPUs: correctness on every device, then throughput and scaling.
 
-    python -m benchmarks.multi_gpu                      # every GPU JAX sees; writes docs/multi_gpu.{json,md}
-    python -m benchmarks.multi_gpu --cpu-devices 4 --rows 8 --frames 10 --steps 3   # CPU smoke test
+    python -m benchmarks multi_gpu                      # every GPU JAX sees; writes docs/multi_gpu.{json,md}
+    python -m benchmarks multi_gpu --cpu-devices 4 --rows 8 --frames 10 --steps 3   # CPU smoke test
 
 The step is the main job's data-parallel one (``warpnn_train.data_parallel``): ``jax.jit`` of
 ``value_and_grad`` of a ``vmap`` over cloths of a ``lax.scan`` rollout through the Warp spring and
@@ -174,7 +174,7 @@ def _markdown(report: dict, args, n_max: int) -> str:
         f"{env['device']}, JAX {env['jax']}, Warp {env['warp']}, launcher {report['launcher']}, {env['date']}. "
         f"Cloth {args.rows}x{args.rows} ({args.rows ** 2} particles), {args.frames}-frame rollout per step, "
         "value_and_grad + Adam; medians of "
-        f"{args.steps} steps. Produced by `python -m benchmarks.multi_gpu`.",
+        f"{args.steps} steps. Produced by `python -m benchmarks multi_gpu`.",
         "",
         "Checks: " + ("all passed" if report["ok"] else "FAILED: " + "; ".join(report["problems"])),
         "",

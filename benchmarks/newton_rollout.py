@@ -1,6 +1,6 @@
 """Newton's SolverSemiImplicit rollout: warpnn's replay in JAX against Newton's own wp.Tape, per step.
 
-``python -m benchmarks.newton_rollout [--sizes 1024 99856 998001] [--steps 50] [--out docs/] [--merge]``
+``python -m benchmarks newton_rollout [--sizes 1024 99856 998001] [--steps 50] [--out docs/] [--merge]``
 
 The scene of the issue's anchors: an ``add_cloth_grid`` cloth with springs on a ground plane,
 ``SolverSemiImplicit(enable_tri_contact=False)``, contacts from the explicit broad phase collided once.
@@ -169,7 +169,7 @@ def markdown(rows: list[dict]) -> str:
         f"# Newton rollout: warpnn vs Newton's wp.Tape ({device.platform}: {device.device_kind})",
         "",
         f"µs per rollout step; jax {jax.__version__}, warp-lang {wp.__version__}, newton {newton.__version__}, "
-        f"warpnn launcher {warpnn._launch.LAUNCHER.name}. `python -m benchmarks.newton_rollout`.",
+        f"warpnn launcher {warpnn._launch.LAUNCHER.name}. `python -m benchmarks newton_rollout`.",
         "",
         "| particles | steps | " + " | ".join(_columns(rows)) + " |",
         "|---|---|" + "---|" * len(_columns(rows)),

@@ -6,7 +6,7 @@
   already holds other forces (``in_out_argnames``), vs the out-of-place kernel plus a JAX add; GB/s by a
   per-spring byte count.
 
-``python -m benchmarks.tiles_inout`` writes ``docs/tiles-inout-{gpu,cpu}.md`` with the device and versions.
+``python -m benchmarks tiles_inout`` writes ``docs/tiles-inout-{gpu,cpu}.md`` with the device and versions.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main(argv=None):
     device = jax.devices()[0].device_kind if gpu else f"CPU ({platform.processor() or platform.machine()})"
     lines = [f"# Tile matmul and in-out accumulation ({device})", "",
              f"jax {jax.__version__}, warp-lang {wp.__version__}, Python {sys.version.split()[0]}; medians of "
-             "alternating rounds in one process (`python -m benchmarks.tiles_inout`).", "",
+             "alternating rounds in one process (`python -m benchmarks tiles_inout`).", "",
              "| size | case | time | throughput |", "|---|---|---|---|"]
     for row in matmul_rows(sizes) + accumulate_rows(particles):
         lines.append("| " + " | ".join(row) + " |")

@@ -8,7 +8,7 @@ GPU; the kernel's own per-element launches across the CPU threads on a CPU), the
 (``WARPNN_BATCHED_LAUNCH=twin``, the same as the default on a GPU), per-element launches
 (``WARPNN_BATCHED_LAUNCH=0``), and pure JAX of the same math. Also counts the kernel launches per call.
 
-    python -m benchmarks.vmap_batch [--sizes 1,64,1024,4096,16384] [--json]
+    python -m benchmarks vmap_batch [--sizes 1,64,1024,4096,16384] [--json]
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Shared fixtures. The suite runs unchanged on CPU (CI) and on a GPU machine: the backend is whatever
 JAX picks; tests marked ``gpu`` skip cleanly when no GPU is present."""
 
+import gc
+
 import jax
 import pytest
 import warp as wp
@@ -13,13 +15,46 @@ def pytest_addoption(parser):
                      help="cross-check the access facts over every corpus package, warp.examples included (slow)")
 
 
+# The longest tests (tens of seconds of subprocesses each on a 2-core machine), in the order they start. Under
+# -n auto xdist hands tests out in collection order, and one of these started last kept one worker busy for half
+# a minute after the other had finished; started first, they overlap with the many short tests.
+SLOW_FIRST = (
+    "tests/test_warp_interop.py::",
+    "tests/test_access.py::test_walk_agrees_with_warp_codegen_on_real_code",
+    "tests/test_sharding.py::",
+    "tests/test_train_cli.py::",
+)
+
+
+def _slow_first(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(SLOW_FIRST) if nodeid.startswith(prefix)), len(SLOW_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: _slow_first(item.nodeid))  # stable: collection order otherwise
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.default_backend() != 'gpu')")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """Free the run's garbage now, while the session is still finishing, and freeze what is left.
+
+    Under ``-n auto`` an xdist worker reports "workerfinished" at the end of this hook; the controller then
+    asks it to exit, and execnet sends the worker a SIGINT when it has not finished within 5 s (the
+    ``KeyboardInterrupt`` traceback that ended some runs). What the worker still does then is pytest's
+    unconfigure: the unraisable-exception and thread-exception plugins each run a full ``gc.collect()``,
+    which after a whole suite walks every object JAX, Warp and the tests made and runs the finalizers of
+    freed XLA executables: seconds on a loaded 2-core machine. Collected here instead (the controller waits
+    for "workerfinished" without a limit), with JAX's compilation caches dropped first; ``gc.freeze()`` then
+    leaves those later collections only what was made after this point."""
+    jax.clear_caches()
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture

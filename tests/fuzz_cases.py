@@ -177,7 +177,7 @@ def run(case: dict) -> dict:
 def main(path: str) -> None:
     import warp as wp
 
-    wp.config.quiet = True
+    wp.config.log_level = wp.LOG_WARNING  # no banner (wp.config.quiet is gone in Warp 1.19)
     import warpnn
 
     with open(path) as fh:

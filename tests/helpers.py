@@ -1,5 +1,7 @@
 """Test helpers shared across test files."""
 
+import fcntl
+import json
 import os
 
 import numpy as np
@@ -37,3 +39,25 @@ def on_one_device():
         stack.enter_context(jax.default_device(jax.devices("cpu")[0]))
         stack.enter_context(wp.ScopedDevice("cpu"))
     return stack
+
+
+def once_per_run(tmp_path_factory, name: str, compute):
+    """``compute()``'s JSON-able result, computed once per test run and shared by every xdist worker.
+
+    A module-scoped fixture runs once per worker that runs one of its tests, and ``-n auto`` spreads a module's
+    tests over the workers: a fixture that runs a subprocess for tens of seconds ran on both workers of a 2-core
+    machine. The first worker to need the result computes it under a lock in the run's shared temporary folder;
+    the others wait for it and read it. (xdist's ``--dist loadgroup`` would pin the tests to one worker instead,
+    but xdist 3.8 renames the tests through ``item._nodeid``, which pytest 9.2 no longer reads.) An exception
+    in ``compute`` (a skip, a failure) stores nothing, and the next worker tries again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # basetemp/gwN: the parent is the run's, shared by its workers
+    path = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return json.loads(path.read_text())
+        result = compute()
+        path.write_text(json.dumps(result))
+        return result

@@ -25,7 +25,7 @@ from .helpers import ROOT, subprocess_env
 
 CHECKED_CASES = int(os.environ.get("WARPNN_FUZZ_CASES", "120"))  # more: WARPNN_FUZZ_CASES=1000
 DEFAULT_CASES = CHECKED_CASES // 2
-BATCH = 80
+BATCH = 200  # cases per subprocess: one process per test at the default size (a crash restarts the rest in a new one)
 
 @st.composite
 def _mostly(draw, good, *others, weight: int = 6):

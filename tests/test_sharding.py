@@ -19,6 +19,8 @@ import warp as wp
 
 import warpnn._bridge
 
+from .helpers import once_per_run
+
 CHECK = Path(__file__).with_name("sharding_check.py")
 ROOT = CHECK.parent.parent
 PLATFORM = os.environ.get("WARPNN_SHARDING_PLATFORM", "cpu")
@@ -52,9 +54,10 @@ def _result(proc: subprocess.Popen, timeout: float = 240) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single_process():
+def single_process(tmp_path_factory):
     _needs_partitioning()
-    return _result(_run("--devices", "4", "--platform", PLATFORM))
+    return once_per_run(tmp_path_factory, f"sharding_check_{PLATFORM}",
+                        lambda: _result(_run("--devices", "4", "--platform", PLATFORM)))
 
 
 def _data_parallel(r: dict, devices: int) -> None:

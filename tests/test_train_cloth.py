@@ -45,6 +45,7 @@ def test_cli_task_selection():
     assert cli._split_task(["control", "--seed", "1"]) == ("control", ["--seed", "1"])
     with pytest.raises(SystemExit):
         cli._split_task(["clothes"])
+    assert cli._task_parser("cloth").parse_args(["--steps", "3", "--device", "cpu"]).device == "cpu"
 
 
 def _check_outputs(out: Path, figures, checkpoint: str) -> dict:

@@ -1,15 +1,21 @@
 """Warp's own JAX interop suite, run unmodified with warpnn in place of Warp's bridge: the compatibility bar.
 
-Both runs happen here, on this machine: Warp's ``warp/tests/interop/test_jax.py::TestJax`` once with Warp's
-bridge and once with ``wp.jax_kernel`` / ``wp.jax_callable`` replaced by warpnn's (``warp_interop/
-warpnn_substitute.py``). Every test that passes with Warp's bridge must pass with warpnn's, except the
-differences by design listed in ``DIFFERENCES_BY_DESIGN``, each of which names the warpnn test that covers
-warpnn's own behaviour instead.
+The runs happen here, on this machine, in one test (so that ``-n auto`` never runs Warp's suite twice on two
+workers): Warp's ``warp/tests/interop/test_jax.py::TestJax`` once with Warp's bridge, once with
+``wp.jax_kernel`` / ``wp.jax_callable`` replaced by warpnn's (``warp_interop/warpnn_substitute.py``), and once
+with only ``wp.jax_callable`` replaced, over the tests whose code reaches ``jax_callable`` (the others run Warp's
+own bridge in that run, as in the first). Every test that passes with Warp's bridge must pass with warpnn's,
+except the differences by design listed in ``DIFFERENCES_BY_DESIGN``, each of which names the warpnn test that
+covers warpnn's own behaviour instead. Tests whose code starts a subprocess (``test_ffi_jax_cpu_subprocess``,
+``test_device_lookup_jax_distributed_*``: about half of each run's time) are left out of every run: the
+subprocess is a fresh Python without the substitution, so it runs Warp's own bridge whichever run starts it.
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -35,14 +41,20 @@ DIFFERENCES_BY_DESIGN: dict[str, str] = {
 }
 
 
-def _run_suite(tmp_path: Path, substitute: str | None) -> dict[str, str]:
-    """Outcome ("passed" | "failed" | "skipped") of every test of Warp's suite, by test name.
+def _run_suite(tmp_path: Path, substitute: str | None, only: list[str] | None = None) -> dict[str, str]:
+    """Outcome ("passed" | "failed" | "skipped") of every test of Warp's suite that runs in this process, by
+    test name.
 
     ``substitute``: None (Warp's bridge), "all" (warpnn's jax_kernel and jax_callable) or "jax_callable"
-    (warpnn's jax_callable only, so that part is checked on its own).
+    (warpnn's jax_callable only, so that part is checked on its own). ``only``: run the tests whose names start
+    with one of these (pytest ``-k``), not all.
     """
     report = tmp_path / f"{substitute or 'warp'}.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", f"{WARP_SUITE}::TestJax"]
+    keywords = f"not ({' or '.join(starting_subprocesses(WARP_SUITE.read_text()))})"
+    if only:
+        keywords = f"({' or '.join(only)}) and {keywords}"
+    cmd += ["-k", keywords]
     if substitute:
         cmd[3:3] = ["-p", "warpnn_substitute"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
@@ -63,31 +75,79 @@ def _base_name(name: str) -> str:
     return name
 
 
-@pytest.fixture(scope="module")
-def with_warp(tmp_path_factory) -> dict[str, str]:
-    """Warp's suite with Warp's own bridge, once for the tests below."""
-    outcomes = _run_suite(tmp_path_factory.mktemp("warp"), substitute=None)
-    assert outcomes, "Warp's suite collected no tests"
-    return outcomes
+def reaching_jax_callable(source: str) -> list[str]:
+    """Names of the test functions (module level, or methods of TestJax) of Warp's suite whose code mentions
+    ``jax_callable``, directly or through a function of the file it calls."""
+    return _reaching(source, "jax_callable")
 
 
-def _check_substituted(with_warp: dict[str, str], with_warpnn: dict[str, str], what: str) -> None:
-    passing = sorted(n for n, o in with_warp.items() if o == "passed")
+def starting_subprocesses(source: str) -> list[str]:
+    """Names of the test functions of Warp's suite whose code (or a function of the file it calls) uses
+    ``subprocess``."""
+    return _reaching(source, "subprocess")
+
+
+def _reaching(source: str, word: str) -> list[str]:
+    tree = ast.parse(source)
+    defs = {n.name: ast.get_source_segment(source, n) or "" for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TestJax"):
+        defs.update({m.name: ast.get_source_segment(source, m) or "" for m in cls.body if isinstance(m, ast.FunctionDef)})
+
+    def reaches(name: str, seen: frozenset = frozenset()) -> bool:
+        code = defs[name]
+        return re.search(rf"\b{word}\b", code) is not None or any(
+            reaches(g, seen | {name}) for g in set(re.findall(r"\b\w+\b", code)) if g in defs and g not in seen | {name})
+
+    return sorted(n for n in defs if n.startswith("test_") and reaches(n))
+
+
+def _check_substituted(with_warp: dict[str, str], with_warpnn: dict[str, str], what: str,
+                       only: list[str] | None = None) -> list[str]:
+    passing = sorted(n for n, o in with_warp.items() if o == "passed" and (not only or n.startswith(tuple(only))))
     regressions = sorted(
         n for n in passing if with_warpnn.get(n) != "passed" and _base_name(n) not in DIFFERENCES_BY_DESIGN
     )
     print(f"Warp's bridge: {len(passing)} passed; {what}: "
           f"{sum(with_warpnn.get(n) == 'passed' for n in passing)} of them passed")
-    assert not regressions, f"{len(regressions)} of Warp's {len(passing)} passing tests fail with {what}: {regressions}"
+    return [f"{len(regressions)} of Warp's {len(passing)} passing tests fail with {what}: {regressions}"] if regressions else []
 
 
 @pytest.mark.skipif(not WARP_SUITE.is_file(), reason="this warp-lang wheel does not ship its interop tests")
-def test_warp_interop_suite_passes_with_warpnn(with_warp, tmp_path):
-    _check_substituted(with_warp, _run_suite(tmp_path, substitute="all"), "warpnn")
+def test_warp_interop_suite_passes_with_warpnn(tmp_path):
+    with_warp = _run_suite(tmp_path, substitute=None)
+    assert with_warp, "Warp's suite collected no tests"
+    problems = _check_substituted(with_warp, _run_suite(tmp_path, substitute="all"), "warpnn")
+    # warpnn.jax_callable on its own, next to Warp's jax_kernel: the tests whose code reaches jax_callable.
+    only = reaching_jax_callable(WARP_SUITE.read_text())
+    with_callable = _run_suite(tmp_path, substitute="jax_callable", only=only)
+    assert any("jax_callable" in n for n, o in with_callable.items() if o == "passed"), "no jax_callable test ran"
+    problems += _check_substituted(with_warp, with_callable, "warpnn.jax_callable in place of wp.jax_callable", only)
+    assert not problems, "\n".join(problems)
 
 
-@pytest.mark.skipif(not WARP_SUITE.is_file(), reason="this warp-lang wheel does not ship its interop tests")
-def test_warp_interop_suite_passes_with_warpnn_jax_callable(with_warp, tmp_path):
-    with_warpnn = _run_suite(tmp_path, substitute="jax_callable")
-    assert any("jax_callable" in n for n, o in with_warpnn.items() if o == "passed"), "no jax_callable test ran"
-    _check_substituted(with_warp, with_warpnn, "warpnn.jax_callable in place of wp.jax_callable")
+def test_the_jax_callable_run_selects_what_reaches_jax_callable():
+    source = '''
+def helper(x):
+    return wp.jax_callable(x)
+
+def test_direct(test, device):
+    wp.jax_callable(f)
+
+def test_through_helper(test, device):
+    helper(1)
+
+def test_kernel_only(test, device):
+    wp.jax_kernel(k)
+
+class TestJax:
+    def test_method(self):
+        helper(2)
+
+    def test_other(self):
+        pass
+'''
+    assert reaching_jax_callable(source) == ["test_direct", "test_method", "test_through_helper"]
+    assert starting_subprocesses(source) == []
+    assert starting_subprocesses(source + "\ndef test_spawn(test, device):\n    subprocess.run(cmd)\n") == ["test_spawn"]
+    names = starting_subprocesses(WARP_SUITE.read_text()) if WARP_SUITE.is_file() else ["test_ffi_jax_cpu_subprocess"]
+    assert "test_ffi_jax_cpu_subprocess" in names and not any("callable" in n or "kernel" in n for n in names), names

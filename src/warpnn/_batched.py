@@ -33,7 +33,7 @@ The *row twin* (``twin_of(kernel, batched=False)``) is the kernel itself with an
 kernel of rank 2 or more it is also a *row-loop twin*: it launches over all dims but the last and loops over
 that one itself (``for warpnn_t1 in range(warpnn_inner)``, the kernel's ``return`` becoming ``continue``),
 because Warp's CPU entry unravels every thread's coordinates from a linear index with one 64-bit division per
-dim, which is about half the time of a small kernel (``python -m benchmarks.cpu_codegen``). CPU launches over
+dim, which is about half the time of a small kernel (``python -m benchmarks cpu_codegen``). CPU launches over
 2+ dims run it even on one thread; the forward visits elements in the launch's order (bitwise the kernel's
 results), the adjoint in the reverse order (gradients that several elements accumulate agree to rounding).
 
@@ -42,7 +42,7 @@ index and ``warpnn_first_row`` the first ``wp.tid()`` coordinate, so the native 
 launch across threads (``warpnn_ffi.c``). The twin lives in a Warp module of its own (adding it to the
 kernel's module would rebuild and unload the code already loaded), with the original module's options (an
 explicit ``-O3`` or ``-march=native`` measured within noise of Warp's default ``-O2`` on the CPU stencil of
-``python -m benchmarks.heat --opt-levels``, so the defaults stay).
+``python -m benchmarks heat --opt-levels``, so the defaults stay).
 
 Arrays are indexed directly, not through views of the element (``x = x__warpnn_b[b]``): Warp reaches a
 view's adjoint through the view's ``grad`` pointer, with the primal's strides, and zeroes it after the adjoint
@@ -682,10 +682,10 @@ def _stub_function(original, name: str, params: list[str]):
 
 CPU_THREADS_ENV = "WARPNN_CPU_THREADS"  # threads for one CPU launch (default: the CPUs this process may use)
 CPU_MIN_WORK_ENV = "WARPNN_CPU_MIN_WORK"  # launch threads (elements) per CPU worker below which a launch is not split
-DEFAULT_MIN_WORK = _settings.SETTINGS[CPU_MIN_WORK_ENV].default  # measured: docs/benchmarks-speed-cpu.md ("Eleventh session")
+DEFAULT_MIN_WORK = _settings.SETTINGS[CPU_MIN_WORK_ENV].default  # measured: docs/benchmarks-speed-cpu.md ("What we measured")
 ADJOINT_WORK_FACTOR = 4  # must equal kAdjointWorkFactor in warpnn_ffi.c
 PARTIAL_BUDGET_ENV = "WARPNN_CPU_PARTIAL_BYTES"  # partial-buffer bytes per launch thread a split may zero and sum
-DEFAULT_PARTIAL_BUDGET = _settings.SETTINGS[PARTIAL_BUDGET_ENV].default  # measured: docs/benchmarks-speed-cpu.md ("The partial budget")
+DEFAULT_PARTIAL_BUDGET = _settings.SETTINGS[PARTIAL_BUDGET_ENV].default  # measured: docs/benchmarks-speed-cpu.md ("What we measured")
 SLICES_ENV = "WARPNN_CPU_SLICES_PER_THREAD"  # slices per worker of a split launch (windowed or no partial buffers)
 DEFAULT_SLICES_PER_WORKER = _settings.SETTINGS[SLICES_ENV].default
 POOL_ENV = "WARPNN_CPU_POOL"  # whose threads run split launches: "warpnn" (its own pool) or "xla" (XLA's intra-op pool)

@@ -30,7 +30,7 @@ def enable_cuda_graph_capture(min_graph_size: int = 1, trace_cache_size: int = 1
     Args:
         min_graph_size: smallest number of operations XLA puts into a CUDA graph (XLA's default: 5).
         trace_cache_size: recorded traces kept per FFI call site (XLA's default: 16). Raise it if
-            ``python -m benchmarks.graph_capture``-style counts of handler entries stay high.
+            ``python -m benchmarks graph_capture``-style counts of handler entries stay high.
 
     Returns:
         The new value of ``XLA_FLAGS``.

@@ -31,7 +31,7 @@ from . import _batched, _settings
 from ._signature import KernelSignature, _callee_name, signature_of
 
 # Copies of a spread parameter: one per THREADS_PER_SLOT threads, at most SLOTS. Measured on an H200
-# (python -m benchmarks.profile_spread, docs/benchmarks-speed-gpu.md): the heat stencil's backward scan was fastest
+# (docs/benchmarks-speed-gpu.md, "What we measured"): the heat stencil's backward scan was fastest
 # with 4096 copies from 512² (262,144 threads) up; 1024 copies cost 1.30 against 1.23 ms at 512², 2.20 against
 # 1.91 at 1024²; fewer copies than threads / 64 left the adds queueing, more gained nothing.
 SLOTS = 4096
