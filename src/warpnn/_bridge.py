@@ -682,7 +682,7 @@ def _fence(values) -> list[jax.Array]:
     slice offset on the host every iteration (an HLO evaluation, or a device-to-host copy and a stream
     synchronisation); in the scans we measured it also kept the loop body from being captured as one CUDA
     graph. Behind the barrier XLA copies the slice on the device instead, inside the graph. Measured on an
-    H200 (docs/profiles.md, ``python -m benchmarks.profile_fence``): a 200-step scan fwd+bwd step of a
+    H200 (a one-off profile, 2026-11; CHANGELOG, docs/benchmarks-speed-gpu.md "What we measured"): a 200-step scan fwd+bwd step of a
     4096-element kernel went from 21-26 µs to 15 µs (pure JAX in the same process: 12-16 µs). Outside
     loops, and on the CPU, the barrier costs nothing: it only orders operations.
     """
@@ -808,8 +808,7 @@ def _differentiable_call_fwd(plan, *primals):
 
 
 # Pairs whose arrays are at least this big compute adjoints in place on a GPU even with XLA's default flags
-# (see _adjoint_in_place_pays). Measured on an H200 (docs/benchmarks-speed-gpu.md, "Where in place starts to
-# pay"): in place lost at 1 MiB per array (25.5 against 20.1 µs per scan step) and won from 4 MiB (29.2 against 32.6).
+# (see _adjoint_in_place_pays). Measured on an H200 (docs/benchmarks-speed-gpu.md, "What we measured"): in place lost at 1 MiB per array (25.5 against 20.1 µs per scan step) and won from 4 MiB (29.2 against 32.6).
 IN_PLACE_MIN_BYTES = 1 << 22
 
 

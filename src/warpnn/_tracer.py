@@ -269,7 +269,7 @@ class WarpProgram:
         if concrete:
             target = next(iter(concrete[0].devices())).platform
         else:
-            default = jax.config.jax_default_device
+            default = getattr(jax.config, "jax_default_device", None)
             target = default.platform if default is not None and not isinstance(default, str) else jax.default_backend()
         target = "gpu" if target in ("gpu", "cuda", "rocm") else target
         if target != self._platform:
