@@ -49,6 +49,8 @@ import warp as wp
 
 import warpnn
 
+from ._carry import trace_carrying
+
 __all__ = ["MujocoStep", "data_arrays", "equinox_module", "nnx_module", "rollout"]
 
 STATE_FIELDS = ("qpos", "qvel", "act", "ctrl", "time")
@@ -143,25 +145,17 @@ class MujocoStep:
                 )
         self._params = {name: model_arrays[name] for name in self.param_fields}
         if state_fields is not None:
-            self.state_fields = tuple(state_fields)
-            unknown = [n for n in self.state_fields if n not in self._data]
+            unknown = [n for n in state_fields if n not in self._data]
             if unknown:
                 raise ValueError(f"MujocoStep: state_fields {unknown} are not non-empty arrays of this model's Data.")
+
+        def trace(fields):
+            self.state_fields = fields
             self._trace()
-            frozen = self._frozen_fields()
-            if frozen:
-                raise ValueError(
-                    f"MujocoStep: the step writes Data arrays {frozen} and reads them back the next step, but they are "
-                    f"not in state_fields: every replayed step would restart from their values when the step was "
-                    "traced. Add them (or leave state_fields out: the default carries every such array)."
-                )
-        else:
-            self.state_fields = tuple(n for n in STATE_FIELDS if n in self._data)
-            self._trace()
-            frozen = self._frozen_fields()
-            if frozen:
-                self.state_fields += tuple(frozen)
-                self._trace()
+
+        self.state_fields = trace_carrying("MujocoStep", "Data arrays", state_fields,
+                                           [n for n in STATE_FIELDS if n in self._data], trace,
+                                           lambda fields: self._frozen_fields())
         self._initial = {k: jnp.asarray(v) for k, v in self.program.initial_inputs().items()}
 
     def _frozen_fields(self) -> list[str]:

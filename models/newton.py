@@ -54,6 +54,8 @@ import warp as wp
 
 import warpnn
 
+from ._carry import trace_carrying
+
 __all__ = ["NewtonStep", "rollout"]
 
 EXTERNAL_FORCES = ("particle_f", "body_f")  # control fields that live on Newton's State
@@ -106,25 +108,14 @@ class NewtonStep:
         # A solver's own step counters: accepted where its launches provably do not depend on them (Featherstone
         # updating its mass matrix every step); any other Python state the step changes is refused by the trace.
         python_state = ("_step", "_mass_matrix_dirty") if getattr(solver, "update_mass_matrix_interval", 1) == 1 else ()
-        if state_fields is not None:
-            self.state_fields = tuple(state_fields)
+
+        def trace(fields):
+            self.state_fields = fields
             self._trace(frozen_host_ops, python_state)
-            frozen = self._frozen_state_fields()
-            if frozen:
-                raise ValueError(
-                    f"NewtonStep: the step writes State fields {frozen} and reads them back the next step, but they "
-                    f"are not in state_fields={list(self.state_fields)}: every replayed step would restart from their "
-                    f"values when the step was traced. Add them to state_fields (or leave state_fields out: the default "
-                    "carries every such field)."
-                )
-        else:
-            # Default: positions and velocities, plus every field the step writes and reads back (found by tracing)
-            self.state_fields = _default_state_fields(model)
-            self._trace(frozen_host_ops, python_state)
-            frozen = self._frozen_state_fields()
-            if frozen:
-                self.state_fields += tuple(frozen)
-                self._trace(frozen_host_ops, python_state)
+
+        # Default: positions and velocities, plus every field the step writes and reads back (found by tracing)
+        self.state_fields = trace_carrying("NewtonStep", "State fields", state_fields, _default_state_fields(model),
+                                           trace, lambda fields: self._frozen_state_fields())
         self._initial = {k: jnp.asarray(v) for k, v in self.program.initial_inputs().items()}
 
     def _state_array_fields(self) -> list[str]:

@@ -564,6 +564,16 @@ def _kernel_from_source(kernel, source: str, name: str, annotations: dict, key: 
 _REORDERED: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
 
 
+def _twin_from_body(kernel, params: list[str], body: list[ast.stmt], kind: str):
+    """A kernel running ``body`` (statements of ``kernel``'s, rewritten) over ``params`` (``kernel``'s parameter
+    names, in the twin's order), with ``kernel``'s key, types and options: see ``_kernel_from_source``."""
+    arg_types = {k: v for k, v in kernel.adj.arg_types.items() if k != "return"}
+    name = f"{kernel.adj.tree.body[0].name}__{kind}"
+    body_source = ast.unparse(ast.Module(body=body, type_ignores=[]))
+    source = f"def {name}({', '.join(params)}):\n" + textwrap.indent(body_source, "    ") + "\n"
+    return _kernel_from_source(kernel, source, name, {n: arg_types[n] for n in params}, key=kernel.key, kind=kind)
+
+
 def with_parameters_reordered(kernel, order: tuple[str, ...]):
     """``kernel`` with its parameters in ``order`` (a permutation of their names): the same body, same key.
 
@@ -581,12 +591,7 @@ def with_parameters_reordered(kernel, order: tuple[str, ...]):
         arg_types = {k: v for k, v in adj.arg_types.items() if k != "return"}
         if sorted(order) != sorted(arg_types):
             raise ValueError(f"Kernel '{kernel.key}': {list(order)} is not an order of its parameters {list(arg_types)}.")
-        fn = adj.tree.body[0]
-        name = f"{fn.name}__warpnn_reordered"
-        body_source = ast.unparse(ast.Module(body=copy.deepcopy(fn.body), type_ignores=[]))
-        source = f"def {name}({', '.join(order)}):\n" + textwrap.indent(body_source, "    ") + "\n"
-        reordered = _kernel_from_source(kernel, source, name, {n: arg_types[n] for n in order}, key=kernel.key,
-                                        kind="warpnn_reordered")
+        reordered = _twin_from_body(kernel, list(order), copy.deepcopy(adj.tree.body[0].body), "warpnn_reordered")
         _REORDERED[(id(kernel), order)] = (kernel, reordered)
         return reordered
 
@@ -622,13 +627,8 @@ def with_parameters_merged(kernel, merged: tuple[tuple[str, str], ...]):
         rebound = sorted(bound & {*names, *names.values()})
         if rebound:
             raise ValueError(f"Kernel '{kernel.key}' assigns to parameter(s) {rebound}, passed the same array.")
-        name = f"{fn.name}__warpnn_merged"
         body = [_Rename(names).visit(stmt) for stmt in copy.deepcopy(fn.body)]
-        body_source = ast.unparse(ast.Module(body=body, type_ignores=[]))
-        kept = [n for n in arg_types if n not in names]
-        source = f"def {name}({', '.join(kept)}):\n" + textwrap.indent(body_source, "    ") + "\n"
-        twin = _kernel_from_source(kernel, source, name, {n: arg_types[n] for n in kept}, key=kernel.key,
-                                   kind="warpnn_merged")
+        twin = _twin_from_body(kernel, [n for n in arg_types if n not in names], body, "warpnn_merged")
         _MERGED[(id(kernel), merged)] = (kernel, twin)
         return twin
 
