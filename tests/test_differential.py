@@ -9,10 +9,10 @@ A program is traced (warpnn.trace), then replayed once outside jit with each lau
   differentiates the kernel; where it refuses, the refusal must be a TypeError naming the kernel (never zeros);
 * vmap: two perturbed copies batched against two calls.
 
-A mismatch is a failure: a silently wrong result. Measured 2026-12-03 on the CPU (launches; vmap compared;
-reverse compared against wp.Tape; reverse refused with the kernel named): Newton SemiImplicit cloth 6; 6; 6; 0.
-Newton Featherstone chain 15; 15; 9; 6. MuJoCo Warp box on a plane 89; 83; 5; 74 (the arm: 90; 84; 5; 75).
-0 mismatches. The whole programs (rollouts against the libraries' own loops) are in test_models_newton.py and
+Each kernel is checked at its first launch. A mismatch is a failure: a silently wrong result. Measured
+2026-12-03 on the CPU (kernels; vmap compared; reverse compared against wp.Tape; reverse refused with the kernel
+named): Newton SemiImplicit cloth 6; 6; 6; 0. Newton Featherstone chain 14; 14; 8; 6. MuJoCo Warp box on a plane
+57; 54; 1; 52 (the arm: 58; 55; 1; 53). 0 mismatches, also on the H200. The whole programs (rollouts against the libraries' own loops) are in test_models_newton.py and
 test_models_mujoco.py.
 """
 
@@ -144,9 +144,14 @@ def run_program(program, inputs, limit=None):
     counts: collections.Counter = collections.Counter()
     failures: list = []
 
+    seen = set()
+
     def on_launch(record, args):
-        if limit is None or counts["launches"] < limit:
-            check_launch(record, args, rng, counts, failures)
+        # each kernel once, at its first launch (a step launches some kernels many times with the same shapes)
+        if record.kernel in seen or (limit is not None and counts["launches"] >= limit):
+            return
+        seen.add(record.kernel)
+        check_launch(record, args, rng, counts, failures)
 
     program._replay(inputs, on_launch=on_launch)
     return counts, failures
@@ -173,7 +178,7 @@ def test_newton_featherstone_launches():
     step = NewtonStep(model, solver, DT)
     counts, failures = run_program(step.program, step.program.initial_inputs())
     assert failures == [], failures
-    assert counts["launches"] >= 15 and counts["reverse compared"] >= 9, counts
+    assert counts["launches"] >= 14 and counts["reverse compared"] >= 8, counts
 
 
 def test_mujoco_warp_step_launches():
@@ -187,4 +192,4 @@ def test_mujoco_warp_step_launches():
         step = MujocoStep(mjm, mjd)
         counts, failures = run_program(step.program, step.program.initial_inputs())
     assert failures == [], failures
-    assert counts["launches"] >= 80 and counts["vmap compared"] >= 80 and counts["reverse compared"] >= 5, counts
+    assert counts["launches"] >= 50 and counts["vmap compared"] >= 50 and counts["reverse compared"] >= 1, counts
