@@ -177,6 +177,19 @@ def test_results_written_inside_a_func_differentiate_like_wp_tape_and_leave_xla_
 
 
 def _kernels_in(package: str, skip=("tests", "viewer", "benchmarks", "fem")) -> list:
+    """Every non-generic kernel defined at module level in ``package``. Some of Warp's examples set Warp's global
+    config when imported (``wp.config.enable_backward = False``): the config is put back afterwards, or every
+    module made later in the process would compile without adjoints."""
+    wp.init()  # (Warp fills some config values, the kernel cache's path, when it starts: not the examples' doing)
+    config = {k: v for k, v in vars(wp.config).items() if not k.startswith("__") and not callable(v)}
+    try:
+        return _import_kernels(package, skip)
+    finally:
+        for k, v in config.items():
+            setattr(wp.config, k, v)
+
+
+def _import_kernels(package: str, skip) -> list:
     pkg = importlib.import_module(package)
     root = os.path.dirname(pkg.__file__)
     kernels = {}
