@@ -255,3 +255,87 @@ def test_a_cpu_launch_split_into_slices_reports_one_clear_violation():
     finally:
         twins.set_cpu_threads(*saved)
         jax.clear_caches()
+
+
+VALID_STENCILS = '''
+import json
+import jax, jax.numpy as jnp, numpy as np
+import warp as wp
+import warpnn
+
+
+@wp.func
+def west(u: wp.array2d(dtype=float), i: int, j: int):
+    v = u[i - 1, j]  # read first, measured after: Warp's adjoint of .shape resets the adjoint's shape
+    return v * float(u.shape[0])
+
+
+@wp.kernel
+def stencil(u: wp.array2d(dtype=float), out: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    v = u[i - 1, j] * 2.0 + u[i, j]
+    n = u.shape[0]
+    out[i, j] = v + u[(i + 1) % n, j]
+
+
+@wp.kernel
+def stencil_in_func(u: wp.array2d(dtype=float), out: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    out[i, j] = west(u, i, j) + u[i, j]
+
+
+@wp.kernel
+def shifted(u: wp.array2d(dtype=float), k: int, out: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    n = u.shape[0]
+    out[i, j] = u[(i + k - 2 + n) % n, j] * 3.0
+
+
+u = jnp.asarray(np.random.default_rng(0).random((8, 5), np.float32))
+n = u.shape[0]
+cases = {
+    "stencil": (lambda f, u: f(u)[0], lambda u: 2.0 * jnp.roll(u, 1, 0) + u + jnp.roll(u, -1, 0), stencil),
+    "stencil_in_func": (lambda f, u: f(u)[0], lambda u: n * jnp.roll(u, 1, 0) + u, stencil_in_func),
+    "shifted": (lambda f, u: f(u, 3)[0], lambda u: 3.0 * jnp.roll(u, -1, 0), shifted),
+}
+errors = {}
+for name, (call, ref, kernel) in cases.items():
+    f = warpnn.jax_kernel(kernel)
+    with warpnn.checked():
+        value = jax.jit(lambda u: call(f, u))(u)
+    errors[name] = [float(jnp.max(jnp.abs(value - ref(u))))]
+    for checked in (True, False):
+        try:
+            with warpnn.checked(checked):
+                grad = jax.jit(jax.grad(lambda u: jnp.sum(call(f, u) ** 2)))(u)
+        except TypeError as e:  # refused at trace time
+            errors[name].append(str(e))
+            continue
+        grad_ref = jax.grad(lambda u: jnp.sum(ref(u) ** 2))(u)
+        errors[name].append(float(jnp.max(jnp.abs(grad - grad_ref))))
+print("RESULTS " + json.dumps(errors))
+'''
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+@pytest.mark.parametrize("launcher", ["python", "native"])
+def test_valid_stencils_differentiate_in_checked_mode(launcher, threads):
+    """Stencils that read ``u[i - 1, j]`` and then ``u.shape`` and index with ``(i + k - 2 + n) % n`` (int32 and
+    int64 mixed once failed to compile) run and differentiate, checked and not, in a subprocess: checked mode
+    once crashed on them. The same measurement inside a ``@wp.func`` (whose adjoint resets the shape of u's
+    adjoint where no twin can move it) is refused at trace time in both modes, naming the function."""
+    script = os.path.join(ROOT, "build", "checked_valid_stencils.py")  # (Warp reads kernels' source from a file)
+    os.makedirs(os.path.dirname(script), exist_ok=True)
+    with open(script, "w") as fh:
+        fh.write(VALID_STENCILS)
+    env = subprocess_env(WARPNN_LAUNCHER=launcher, WARPNN_CPU_THREADS=threads, WARPNN_CPU_MIN_WORK="1")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULTS "))
+    results = json.loads(line[len("RESULTS "):])
+    refusals = results.pop("stencil_in_func")[1:]
+    for message in refusals:
+        assert message.startswith("Kernel 'stencil_in_func' cannot be differentiated: array 'u'"), message
+        assert "inside @wp.func 'west'" in message and "pass the size to the function" in message, message
+    for name, (forward, *gradients) in results.items():
+        assert forward < 1e-5 and all(g < 1e-4 for g in gradients), (name, forward, gradients)

@@ -79,6 +79,9 @@ class ArrayUse:
     accesses: tuple[Access, ...] = ()
     undecided: str | None = None  # why the analysis could not tell (then assume it is read and written)
     viewed: bool = False  # the kernel takes a row view of it (`r = a[i]` on a 2-D array)
+    # Where its adjoint's shape or pointer is reset: `a.shape` read inside a @wp.func after an access of `a`, or
+    # `a.ptr` anywhere ("line 12: '.shape' inside @wp.func 'west'"); None if nowhere.
+    adjoint_reset: str | None = None
 
     @property
     def reads(self) -> bool:
@@ -164,6 +167,7 @@ class _UseCollector:
         self.found: dict[str, list[Access]] = {p: [] for p, _ in arrays.values()}
         self.undecided: dict[str, str] = {}
         self.views: set[str] = set()  # parameters the body takes row views of
+        self.measured: dict[str, tuple[int, str]] = {}  # parameter -> (order, where) of a measurement that resets
         self.loops: list[int] = []
         self.conditional = 0
 
@@ -318,7 +322,15 @@ class _UseCollector:
             return
         if isinstance(node, ast.Attribute):
             inner = self._array_of(node.value) if isinstance(node.value, (ast.Name, ast.Attribute)) else None
-            if inner is not None and node.attr in _NO_ACCESS_ATTRIBUTES:
+            if inner is not None and (node.attr == "ptr" or node.attr == "shape" and self.call is not None):
+                # Warp's adjoint of `a.shape` assigns the shape of a's adjoint (and of `a.ptr` its pointer): the
+                # kernel's own measurements are hoisted by a twin (_measured.py), a @wp.func's cannot be
+                line, loops, via = self.call or (node.lineno + self.line_offset, (), None)
+                where = f"line {line}: '.{node.attr}'" + (f" inside @wp.func '{via}'" if via else "")
+                # in a loop, a later iteration's measurement follows an earlier iteration's accesses
+                order = -1 if loops or self.loops or node.attr == "ptr" else next(self.counter)
+                self.measured.setdefault(inner[0], (order, where))
+            if inner is not None and node.attr in _NO_ACCESS_ATTRIBUTES | {"ptr"}:
                 return
             if self._struct_path(node) is not None:  # a scalar field, or a struct passed on: no array access
                 return
@@ -416,6 +428,8 @@ class _UseCollector:
             self.found.setdefault(param, []).extend(accesses)
         for param, reason in inner.undecided.items():
             self._undecide(param, reason)
+        for param, measured in inner.measured.items():
+            self.measured.setdefault(param, measured)
         self.views |= inner.views
 
 
@@ -457,8 +471,16 @@ def walk_array_uses(kernel, specs) -> dict[str, ArrayUse]:
         collector.body(_function_def(kernel.adj.tree).body)
     except Exception as e:  # noqa: BLE001 - no source tree, or a construct this walker does not know
         return {n: ArrayUse(n, (), f"its source could not be analysed: {type(e).__name__}: {e}") for n in names}
-    return {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n), n in collector.views)
-            for n in names}
+    def adjoint_reset(name: str) -> str | None:
+        # harmful to the adjoints of accesses made before it (they run after it in the reverse pass); `.ptr`
+        # (order -1) to every access's
+        order, where = collector.measured.get(name, (None, None))
+        if order is None:
+            return None
+        return where if order < 0 or any(a.order < order for a in collector.found.get(name, ())) else None
+
+    return {n: ArrayUse(n, tuple(collector.found.get(n, ())), collector.undecided.get(n), n in collector.views,
+                        adjoint_reset(n)) for n in names}
 
 
 def reconcile(uses: dict[str, ArrayUse], warp_facts: dict[str, tuple[bool, bool]] | None) -> dict[str, ArrayUse]:

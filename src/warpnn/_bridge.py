@@ -112,12 +112,12 @@ FORWARD_ONLY_MESSAGE = (
     "inputs out of the gradient with jax.lax.stop_gradient."
 )
 
-IN_PLACE_MESSAGE = (
-    "Kernel '{key}' cannot be differentiated: Warp's adjoint replays the kernel against the values its arrays "
-    "had before the launch, which is only right if no thread reads a value written in the same launch. "
-    "{problems}. The forward pass works as it is. To differentiate, read the old values and write the new ones "
-    "at the thread's own wp.tid() element, reading before writing (`y[i] = f(y[i], ...)`), accumulate with "
-    "`out[i] += value` / wp.atomic_add, or write the results to a separate output array."
+REVERSE_PROBLEM_MESSAGE = "Kernel '{key}' cannot be differentiated: {problems}. The forward pass works as it is."
+IN_PLACE_ADVICE = (
+    " Warp's adjoint replays the kernel against the values its arrays had before the launch, which is only right "
+    "if no thread reads a value written in the same launch. To differentiate, read the old values and write the "
+    "new ones at the thread's own wp.tid() element, reading before writing (`y[i] = f(y[i], ...)`), accumulate "
+    "with `out[i] += value` / wp.atomic_add, or write the results to a separate output array."
 )
 
 INPUT_WRITE_MESSAGE = (
@@ -853,7 +853,9 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         raise TypeError(FORWARD_ONLY_MESSAGE.format(key=sig.key))
     if sig.reverse_problems:
         problems = "; ".join(f"array '{n}': {why}" for n, why in sig.reverse_problems.items())
-        raise TypeError(IN_PLACE_MESSAGE.format(key=sig.key, problems=problems))
+        in_place = any(sig.uses[n].in_place_problem() is not None for n in sig.reverse_problems)
+        raise TypeError(REVERSE_PROBLEM_MESSAGE.format(key=sig.key, problems=problems)
+                        + (IN_PLACE_ADVICE if in_place else ""))
     if not sig.has_adjoint:
         raise TypeError(
             f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "

@@ -378,6 +378,11 @@ class _IndexGuard(ast.NodeTransformer):
     # -- expressions
 
     def visit_Subscript(self, node: ast.Subscript):
+        measured = self._measurement(node)
+        if measured is not None:
+            # The kernel's own `a.shape[k]` reads the variable assigned at the top, so that no measurement
+            # follows an access in the body (a measurement after `a[i - 1]` crashed the adjoint: the comment above)
+            return ast.copy_location(self._shape(*measured), node)
         if isinstance(node.value, ast.Attribute) and self._struct_rooted(node.value):
             # an array field of a struct parameter: Warp knows its shape, this transform does not guard it
             self.unguarded.append(f"{ast.unparse(node.value)}[...] at line {self.first_line + node.lineno - 1}")
@@ -393,6 +398,17 @@ class _IndexGuard(ast.NodeTransformer):
         if len(indices) < ndim:  # a view: check the indices, clamp them to 0 when out of range
             return self._view(name, parent, indices, node)
         return self._load(name, parent, ndim, indices, node)
+
+    def _measurement(self, node: ast.Subscript) -> tuple[str, int] | None:
+        """(array, k) when ``node`` is ``a.shape[k]`` of an array parameter or view, at a constant k in range."""
+        value = node.value
+        if not (isinstance(value, ast.Attribute) and value.attr == "shape" and isinstance(node.ctx, ast.Load)):
+            return None
+        found = self._array(value.value)
+        k = node.slice.value if isinstance(node.slice, ast.Constant) else None
+        if found is None or not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < found[2]:
+            return None
+        return found[0], k
 
     def _load(self, name, parent, ndim, indices, node):
         site = self._site(parent, "read", node, via=name if name != parent else "")

@@ -173,9 +173,21 @@ class KernelSignature:
 
     @functools.cached_property
     def reverse_problems(self) -> dict[str, str]:
-        """In-out arrays and outputs that Warp's adjoint cannot differentiate, with the reason."""
-        return {s.name: problem for s in (*self.in_out, *self.outputs)
-                if (problem := self.uses[s.name].in_place_problem()) is not None}
+        """Arrays that Warp's adjoint cannot differentiate, with the reason: in-out arrays and outputs read and
+        written in place (``ArrayUse.in_place_problem``), and float arrays with an adjoint whose shape or pointer
+        Warp's adjoint resets before it is done with them (``ArrayUse.adjoint_reset``: negative indices then write
+        before the buffer, or additions are lost)."""
+        problems = {s.name: problem for s in (*self.in_out, *self.outputs)
+                    if (problem := self.uses[s.name].in_place_problem()) is not None}
+        for s in (*self.adjoint_inputs, *self.float_results):
+            where = self.uses[s.name].adjoint_reset
+            if where is not None and s.name not in problems:
+                problems[s.name] = (
+                    f"{where} measures it after it was used, and Warp's adjoint of that measurement resets the "
+                    "shape (or pointer) of its adjoint, so the adjoints of the accesses before it would index the "
+                    "adjoint wrongly (memory corruption with a negative index). Measure it in the kernel body and "
+                    "pass the size to the function as an argument")
+        return problems
 
     @functools.cached_property
     def replay_buffers(self) -> tuple[ArgSpec, ...]:
