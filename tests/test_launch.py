@@ -19,7 +19,7 @@ import pytest
 import warp as wp
 
 import warpnn
-from warpnn import _launch
+from warpnn import _kernel_load, _launch
 
 from . import checked_kernels as C
 from . import kernels_for_tests as K
@@ -129,10 +129,10 @@ def test_deterministic_mode_refusal_names_kernel_and_fix():
     device = wp.get_device("cpu")
     hooks = deterministic_springs.module.load(device, 1).get_kernel_hooks(deterministic_springs)
     with pytest.raises(NotImplementedError, match=r"Kernel 'spring_forces'.*deterministic mode \(RUN_TO_RUN.*NOT_GUARANTEED"):
-        _launch.refuse_deterministic(deterministic_springs, hooks, on_cuda=True)
-    _launch.refuse_deterministic(deterministic_springs, hooks, on_cuda=False)  # CPU code has no hidden parameters
+        _kernel_load.refuse_deterministic(deterministic_springs, hooks, on_cuda=True)
+    _kernel_load.refuse_deterministic(deterministic_springs, hooks, on_cuda=False)  # CPU code has no hidden parameters
     plain = K.spring_forces.module.load(device, 1).get_kernel_hooks(K.spring_forces)
-    _launch.refuse_deterministic(K.spring_forces, plain, on_cuda=True)  # not compiled deterministic: nothing to refuse
+    _kernel_load.refuse_deterministic(K.spring_forces, plain, on_cuda=True)  # not compiled deterministic: nothing to refuse
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path of a deterministic-mode kernel")

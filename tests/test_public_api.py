@@ -83,3 +83,33 @@ def test_the_api_reference_lists_every_public_name_once():
     rendered = re.findall(r"^::: warpnn\.(\w+)$", page, re.M)
     assert sorted(rendered) == sorted(warpnn.__all__)
     assert rendered[:3] == ["jax_kernel", "WarpKernel", "jax_callable"]
+
+
+def _package_imports(package_dir: pathlib.Path) -> dict[str, set[str]]:
+    """Each private module of the package -> the sibling modules it imports (at the top or inside a function)."""
+    import ast
+
+    graph = {}
+    for path in package_dir.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+        graph[path.stem] = {m for m in imported if (package_dir / f"{m}.py").exists() and m != path.stem}
+    return graph
+
+
+def test_no_import_cycle_between_warpnns_modules():
+    # A cycle (even through an import inside a function) means two modules each need the other's internals: the
+    # layering (signature and facts -> twins -> launchers -> the launch plan -> the bridge) keeps every module
+    # importable and testable on its own.
+    graph = _package_imports(pathlib.Path(warpnn.__file__).parent)
+    graph.pop("__init__", None)
+    for module, imported in graph.items():
+        stack, seen = list(imported), set()
+        while stack:
+            current = stack.pop()
+            assert current != module, f"warpnn.{module} reaches itself through its imports: {sorted(imported)}"
+            if current not in seen and current in graph:
+                seen.add(current)
+                stack.extend(graph[current])

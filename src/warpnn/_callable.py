@@ -27,7 +27,8 @@ from jax.custom_derivatives import SymbolicZero
 from . import _sharding
 from . import _warp_compat as wc
 from ._bridge import SECOND_ORDER_MESSAGE, _fence, _Static, forward_mode_refused, instantiate_zero, zero_aval
-from ._signature import ArrayUse, _arg_spec, analyse_array_uses
+from ._access import ArrayUse, analyse_array_uses
+from ._signature import _arg_spec
 from ._warp_compat import jax_ffi
 
 CUT_GRADIENT_MESSAGE = (

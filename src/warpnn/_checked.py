@@ -51,7 +51,8 @@ import warp as wp
 
 from . import _settings
 from ._batched import call_target
-from ._signature import ArrayUse, KernelSignature, Struct, _arg_spec
+from ._access import ArrayUse
+from ._signature import KernelSignature, Struct, _arg_spec
 
 CHECK_ENV = "WARPNN_CHECK"
 RECORD_NAME = "_warpnn_violation"

@@ -57,7 +57,7 @@ from . import _settings
 from . import _warp_compat as wc
 from ._devices import trace_devices
 from ._ffi_attrs import SCALAR_ATTR_PREFIX
-from ._launch import _LOAD_LOCK, check_warp_supports, refuse_deterministic
+from ._kernel_load import load_module
 from ._signature import ArgSpec, KernelSignature
 from . import _batched
 
@@ -182,13 +182,13 @@ def _prebuilt() -> list[Path]:
 
 _LIBRARY: ctypes.CDLL | None = None
 _LIBRARY_PATH: Path | None = None
-_LOAD_LOCK = threading.Lock()
+_LIBRARY_LOCK = threading.Lock()
 
 
 def load_library() -> ctypes.CDLL:
     """The native library for this process (loaded once), building it into the cache if needed."""
     global _LIBRARY, _LIBRARY_PATH
-    with _LOAD_LOCK:
+    with _LIBRARY_LOCK:
         if _LIBRARY is not None:
             return _LIBRARY
         explicit = _settings.get(LIB_ENV)
@@ -502,14 +502,8 @@ class NativeLauncher:
 
     @staticmethod
     def _load(sig: KernelSignature, device):
-        check_warp_supports(device, sig.key)
-        # The same module variant as PythonLauncher (_launch.load_kernel): block_dim 1 on the CPU, 256 on CUDA.
-        with _LOAD_LOCK:  # one lock for both launchers: Warp's module loading is not thread-safe
-            module_exec = sig.kernel.module.load(device, wc.resolve_block_dim(device, sig.block_dim))
-        if module_exec is None:
-            raise RuntimeError(f"Failed to load Warp module '{sig.kernel.module.name}' on device '{device}' (kernel '{sig.key}')")
-        refuse_deterministic(sig.kernel, module_exec.get_kernel_hooks(sig.kernel), device.is_cuda)
-        return module_exec
+        # The same module variant as PythonLauncher (_kernel_load.load_kernel), under the same lock.
+        return load_module(sig.kernel, device, sig.block_dim)
 
     def _set_entry(self, kid: int, sig: KernelSignature, device) -> None:
         """Register (or, after Warp reloaded the module, re-register) the entry points of ``sig`` on ``device``."""

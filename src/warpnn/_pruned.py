@@ -17,7 +17,8 @@ import functools
 
 import warp as wp
 
-from ._signature import _ACCUMULATE_BUILTINS, _READ_WRITE_BUILTINS, _STORE_BUILTINS, KernelSignature, _callee_name
+from ._access import _ACCUMULATE_BUILTINS, _READ_WRITE_BUILTINS, _STORE_BUILTINS, _callee_name
+from ._signature import KernelSignature
 
 _WRITING_BUILTINS = _ACCUMULATE_BUILTINS | _READ_WRITE_BUILTINS | _STORE_BUILTINS
 

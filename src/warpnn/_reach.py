@@ -33,7 +33,8 @@ import warp as wp
 
 from . import _batched
 from . import _warp_compat as wc
-from ._signature import KernelSignature, _bindings, _first_coordinate, _first_index, _names_visible_to
+from ._access import _names_visible_to
+from ._signature import KernelSignature, _bindings, _first_coordinate, _first_index
 
 MAX_BLOCKS = 512  # blocks of launch rows in the attribute (a block spans ceil(rows / MAX_BLOCKS) rows)
 _PREFIX = "wnreach_"

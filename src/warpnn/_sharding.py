@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _batched
+from . import _launch_plan
 
 try:  # public JAX APIs for defining a primitive; guarded so that a JAX without them still runs warpnn
     from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
@@ -196,7 +196,7 @@ def _plain_call(spec: _CallSpec, *operands, platforms=None):
     batch = _batch_shape(spec, operands)
     attrs = spec.ffi_attrs()
     if spec.kernel is not None:  # one launch for the whole batch (or a CPU launch split across threads)
-        operands, extra = _batched.prepare_call(spec.kernel, batch, list(operands), attrs, platforms)
+        operands, extra = _launch_plan.prepare_call(spec.kernel, batch, list(operands), attrs, platforms)
         attrs.update(extra)
     call = jax.ffi.ffi_call(spec.target, spec.result_types(batch), vmap_method="expand_dims",
                             input_output_aliases=dict(spec.aliases) or None, has_side_effect=spec.has_side_effect)

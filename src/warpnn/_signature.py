@@ -17,10 +17,7 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
-from ._access import (  # noqa: F401 - re-exported for the twins that import them from here
-    _ACCUMULATE_BUILTINS, _READ_WRITE_BUILTINS, _STORE_BUILTINS, Access, ArrayUse, _callee_name, _fully_written,
-    _function_def, _names_visible_to, analyse_array_uses,
-)
+from ._access import ArrayUse, _fully_written, analyse_array_uses
 from warp._src.codegen import Struct
 
 

@@ -25,10 +25,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import warp as wp
 
 from . import _batched, _settings
-from ._signature import KernelSignature, _callee_name, signature_of
+from ._access import _callee_name
+from ._signature import KernelSignature, signature_of
 
 # Copies of a spread parameter: one per THREADS_PER_SLOT threads, at most SLOTS. Measured on an H200
 # (docs/benchmarks-speed-gpu.md, "What we measured"): the heat stencil's backward scan was fastest

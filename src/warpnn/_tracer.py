@@ -35,7 +35,6 @@ import functools
 import inspect
 import math
 import threading
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
-from . import _warp_compat as wc
 from ._batched import with_parameters_merged, with_parameters_reordered
 from ._bridge import jax_kernel
 from ._signature import fully_written, kernel_array_uses

@@ -1693,7 +1693,7 @@ static XLA_FFI_Error* handle(XLA_FFI_CallFrame* frame, int cuda, int mode) {
 
     /* ---- scratch: args struct, adjoint struct, array slots, CUDA parameter pointers */
     int32_t num_slots = d->num_slots[mode];
-    /* the row twin for a CPU call without batch, the batched twin otherwise (see _batched.prepare_call) */
+    /* the row twin for a CPU call without batch, the batched twin otherwise (see _launch_plan.prepare_call) */
     const int want_batched = cuda || num_batch > 1;
     const TwinLayout* twin = twin_launch ? atomic_load_explicit(&d->twin[want_batched], memory_order_acquire) : NULL;
     size_t args_bytes = ((size_t)(twin && twin->args_size > d->args_size ? twin->args_size : d->args_size) + 15u) &
