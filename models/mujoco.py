@@ -23,9 +23,10 @@ The pytrees are dicts of JAX arrays with mujoco_warp's shapes for ``nworld = 1``
 
 What is checked (``tests/test_models_mujoco.py``): forward under ``jit`` / ``lax.scan`` / ``vmap`` against
 ``mujoco_warp.step`` run directly (bit-equal on an arm and a cart-pole hitting a joint limit) and against
-``mujoco.mj_step`` (<= 3.5e-6). Refused today, with the reason: models with contacts (the tracer refuses the
-aliasing view mujoco_warp makes of ``d.contact.frame``) and reverse mode (``reverse_refusals()`` lists the
-kernels: mujoco_warp builds almost all of them with ``enable_backward=False``). See ``docs/mujoco.md``.
+``mujoco.mj_step`` (<= 3.5e-6), and a free box landing on a plane (contacts and the constraint solver). Refused
+today, with the reason: reverse mode (``reverse_refusals()`` lists the kernels and why: mujoco_warp builds most of
+them with ``enable_backward=False``, others have loops or in-launch access patterns Warp's adjoint gets wrong).
+See ``docs/mujoco.md``.
 
 Example::
 
@@ -190,7 +191,7 @@ class MujocoStep:
             reasons = []
             if not sig.has_adjoint:
                 reasons.append("compiled without an adjoint (enable_backward=False)")
-            reasons += [f"'{n}': {why}" for n, why in sig.reverse_problems.items()]
+            reasons += sig.reverse_refusal_reasons()
             if reasons:
                 stage = getattr(kernel.func, "__module__", "?").rsplit(".", 1)[-1]
                 refused[kernel.key] = f"{stage}: " + "; ".join(reasons)

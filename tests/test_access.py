@@ -261,3 +261,263 @@ def test_replay_buffers_under_vmap_and_both_launchers(launcher):
     with use_launcher(launcher):
         grads = jax.jit(jax.vmap(jax.grad(lambda x, c: (f(x, launch_dims=4)[0] * c).sum())))(xs, cts)
     assert_close(grads, 3.0 * np.asarray(cts))
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamic loops: Warp's adjoint does not run a dynamic loop again before its reverse pass, so a value the loop
+# changes is seen, after the loop and inside its reverse pass, as it was before the loop. Reverse mode takes the
+# loops whose adjoint does not depend on those values and refuses the others, naming the loop.
+
+
+@wp.kernel
+def loop_sum_of_squares(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    c = int(0)  # a counter no statement reads
+    for i in range(n):
+        if x[t, i] > 1.0:
+            s += x[t, i] * x[t, i]
+        c += 1
+    out[t] = s
+
+
+@wp.kernel
+def loop_nested_sum(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    for i in range(n):
+        for j in range(n):
+            s = s + x[t, i] * x[t, j]
+    out[t] = s - x[t, 0]
+
+
+@wp.kernel
+def loop_constant_range_norm(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    for i in range(4):  # a constant range: Warp unrolls it, nothing is carried
+        s += x[t, i] * x[t, i]
+    out[t] = wp.sqrt(s)
+
+
+@wp.kernel
+def loop_values_of_one_iteration(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    r = float(0.0)
+    last_big = float(0.0)
+    for i in range(n):
+        r = x[t, i] * 2.0  # set at the top of each iteration: the adjoint's replay of the iteration sets it again
+        r = r * x[t, i]
+        s += r * r
+        if x[t, i] > 1.0:
+            last_big = x[t, i]  # never read in the loop
+    out[t] = s + r + last_big  # a sum stored: its adjoint does not read r or last_big
+
+
+@wp.func
+def product_of_row(x: wp.array2d(dtype=float), t: int, n: int):
+    p = float(1.0)
+    for i in range(n):
+        p = p * x[t, i]
+    return p
+
+
+@wp.func
+def product_of_row_by_hand(x: wp.array2d(dtype=float), t: int, n: int):
+    p = float(1.0)
+    for i in range(n):
+        p = p * x[t, i]
+    return p
+
+
+@wp.func_grad(product_of_row_by_hand)
+def adj_product_of_row_by_hand(x: wp.array2d(dtype=float), t: int, n: int, adj_ret: float):
+    p = product_of_row_by_hand(x, t, n)
+    for i in range(n):
+        wp.adjoint[x][t, i] += adj_ret * p / x[t, i]
+
+
+@wp.kernel
+def loop_in_a_func(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    out[t] = product_of_row(x, t, n)
+
+
+@wp.kernel
+def loop_in_a_func_with_its_own_gradient(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    out[t] = product_of_row_by_hand(x, t, n)  # Warp uses adj_product_of_row_by_hand, not the loop's adjoint
+
+
+@wp.kernel
+def loop_reads_an_earlier_iteration(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    v = float(0.0)
+    s = float(0.0)
+    for i in range(n):
+        if x[t, i] > 1.0:
+            v = x[t, i] * 2.0
+        s += v * v  # v may come from an earlier iteration
+    out[t] = s
+
+
+@wp.kernel
+def loop_norm(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    for i in range(n):
+        s += x[t, i] * x[t, i]
+    out[t] = wp.sqrt(s)  # the adjoint of sqrt reads s: Warp's adjoint sees 0 here (an infinite gradient)
+
+
+@wp.kernel
+def loop_running_product(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    p = float(1.0)
+    for i in range(n):
+        p = p * x[t, i]
+    out[t] = p
+
+
+@wp.kernel
+def loop_two_sums_multiplied(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    q = float(0.0)
+    for i in range(n):
+        s += x[t, i] * x[t, i]
+        q = q + 2.0 * x[t, i]
+    out[t] = s * q
+
+
+@wp.kernel
+def loop_counter_indexes(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    c = int(0)
+    for i in range(n):
+        s += x[t, i] * x[t, i]
+        c += 1
+    out[t] = s + x[t, c // 2]
+
+
+@wp.kernel
+def loop_flag_guards_the_store(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    found = bool(False)
+    s = float(0.0)
+    for i in range(n):
+        if x[t, i] > 1.0:
+            found = True
+        s += x[t, i] * x[t, i]
+    if found:
+        out[t] = s
+
+
+@wp.kernel
+def while_sum(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    i = int(0)
+    while i < n:
+        s += x[t, i] * x[t, i]
+        i += 1
+    out[t] = s
+
+
+def _square_sum(x):
+    return jnp.sum(x * x, 1)
+
+
+def _last_big(x):
+    """Per row, the last element above 1 (0 if none)."""
+    return jax.vmap(lambda row: jax.lax.fori_loop(0, row.size, lambda i, b: jnp.where(row[i] > 1.0, row[i], b), 0.0))(x)
+
+
+def _squares_of_last_big_doubled(row):
+    def step(carry, xi):
+        v, s = carry
+        v = jnp.where(xi > 1.0, 2.0 * xi, v)
+        return (v, s + v * v), None
+    return jax.lax.scan(step, (0.0, 0.0), row)[0][1]
+
+
+LOOPS_WARP_GETS_RIGHT = {
+    loop_sum_of_squares: lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 0.0), 1),
+    loop_nested_sum: lambda x: jnp.sum(x, 1) ** 2 - x[:, 0],
+    loop_constant_range_norm: lambda x: jnp.sqrt(_square_sum(x)),
+    loop_values_of_one_iteration: lambda x: jnp.sum(4.0 * x**4, 1) + 2.0 * x[:, -1] ** 2 + _last_big(x),
+}
+LOOPS_WARP_GETS_WRONG = {  # kernel: (pure-JAX reference, what the refusal names)
+    loop_norm: (lambda x: jnp.sqrt(_square_sum(x)), "changes 's' and line"),
+    loop_running_product: (lambda x: jnp.prod(x, 1), "reads the value an earlier iteration left in it"),
+    loop_two_sums_multiplied: (lambda x: _square_sum(x) * jnp.sum(2.0 * x, 1), "changes 'q'"),
+    loop_counter_indexes: (lambda x: _square_sum(x) + x[:, 2], "changes 'c'"),
+    loop_flag_guards_the_store: (lambda x: jnp.where(jnp.any(x > 1.0, 1), _square_sum(x), 0.0), "changes 'found'"),
+    while_sum: (_square_sum, "the while loop at line"),
+    loop_in_a_func: (lambda x: jnp.prod(x, 1), "in @wp.func 'product_of_row'"),
+    loop_reads_an_earlier_iteration: (lambda x: jax.vmap(_squares_of_last_big_doubled)(x), "changes 'v' and line"),
+}
+_LOOP_X = np.random.default_rng(0).uniform(0.5, 1.5, (3, 4)).astype(np.float32)
+
+
+def _loop_call(kernel):
+    f = warpnn.jax_kernel(kernel, num_outputs=1)
+    return lambda x: f(x, 4, launch_dims=3)[0]
+
+
+def _loop_tape_grad(kernel):
+    xw = wp.array(_LOOP_X, dtype=float, requires_grad=True)
+    out = wp.zeros(3, dtype=float, requires_grad=True)
+    tape = wp.Tape()
+    with tape:
+        wp.launch(kernel, 3, inputs=[xw, 4], outputs=[out])
+    tape.backward(grads={out: wp.ones(3, dtype=float)})
+    return xw.grad.numpy()
+
+
+@pytest.mark.parametrize("kernel", list(LOOPS_WARP_GETS_RIGHT), ids=lambda k: k.key)
+def test_loops_whose_adjoint_is_right_differentiate(kernel):
+    ref = LOOPS_WARP_GETS_RIGHT[kernel]
+    x = jnp.asarray(_LOOP_X)
+    want = jax.grad(lambda x: ref(x).sum())(x)
+    assert_close(jax.jit(jax.grad(lambda x: _loop_call(kernel)(x).sum()))(x), want)
+    assert_close(_loop_tape_grad(kernel), want)
+
+
+def test_a_loop_under_a_custom_gradient_is_not_judged():
+    """Warp differentiates a @wp.func with a @wp.func_grad through that gradient, never through the generated
+    adjoint of its loop: the loop is no reason to refuse (mujoco_warp and Newton write such functions)."""
+    from warpnn._access import codegen_facts
+
+    assert codegen_facts(loop_in_a_func_with_its_own_gradient).loop_problems == ()
+    assert codegen_facts(loop_in_a_func).loop_problems != ()
+    assert_close(_loop_tape_grad(loop_in_a_func_with_its_own_gradient),
+                 jax.grad(lambda x: jnp.prod(x, 1).sum())(jnp.asarray(_LOOP_X)))
+
+
+@pytest.mark.parametrize("kernel", list(LOOPS_WARP_GETS_WRONG), ids=lambda k: k.key)
+def test_loops_whose_adjoint_is_wrong_are_refused_naming_the_loop(kernel):
+    ref, named = LOOPS_WARP_GETS_WRONG[kernel]
+    x = jnp.asarray(_LOOP_X)
+    call = _loop_call(kernel)
+    assert_close(call(x), ref(x))  # the forward pass is right and stays available
+    with pytest.raises(TypeError, match=f"Kernel '{kernel.key}' cannot be differentiated") as refusal:
+        jax.grad(lambda x: call(x).sum())(x)
+    assert named in str(refusal.value) and "Warp's adjoint" in str(refusal.value)
+    # the evidence that refusing is right: Warp's own tape gets this gradient wrong
+    want = np.asarray(jax.grad(lambda x: ref(x).sum())(x))
+    got = _loop_tape_grad(kernel)
+    assert not np.allclose(got, want, rtol=1e-3, atol=1e-3), (got, want)
+
+
+def test_jax_callable_refuses_a_loop_whose_tape_gradient_is_wrong():
+    def norms(x: wp.array2d(dtype=float), out: wp.array(dtype=float)):
+        wp.launch(loop_norm, 3, inputs=[x, 4], outputs=[out])
+
+    f = warpnn.jax_callable(norms, num_outputs=1)
+    x = jnp.asarray(_LOOP_X)
+    assert_close(f(x, output_dims={"out": 3})[0], jnp.sqrt(_square_sum(x)))
+    with pytest.raises(RuntimeError, match="kernel 'loop_norm' reads arrays that have gradients.*dynamic for loop"):
+        jax.grad(lambda x: f(x, output_dims={"out": 3})[0].sum())(x)

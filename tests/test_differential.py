@@ -11,7 +11,7 @@ A program is traced (warpnn.trace), then replayed once outside jit with each lau
 
 Each kernel is checked at its first launch. A mismatch is a failure: a silently wrong result. Measured
 2026-12-03 on the CPU (kernels; vmap compared; reverse compared against wp.Tape; reverse refused with the kernel
-named): Newton SemiImplicit cloth 6; 6; 6; 0. Newton Featherstone chain 14; 14; 8; 6. MuJoCo Warp box on a plane
+named): Newton SemiImplicit cloth 6; 6; 6; 0. Newton Featherstone chain 14; 14; 6; 8. MuJoCo Warp box on a plane
 57; 54; 1; 52 (the arm: 58; 55; 1; 53). 0 mismatches, also on the H200. The whole programs (rollouts against the libraries' own loops) are in test_models_newton.py and
 test_models_mujoco.py.
 """
@@ -178,7 +178,10 @@ def test_newton_featherstone_launches():
     step = NewtonStep(model, solver, DT)
     counts, failures = run_program(step.program, step.program.initial_inputs())
     assert failures == [], failures
-    assert counts["launches"] >= 14 and counts["reverse compared"] >= 8, counts
+    # (2 of the 8 refused since 2026-12-04, where wp.Tape agreed with warpnn and both were wrong: Warp's adjoint
+    # never runs eval_rigid_jacobian's while loop backwards, and eval_rigid_id's loop over joint_qdd, when it runs,
+    # leaves the adjoint a stale acceleration; tests/test_access.py shows both kinds of loop)
+    assert counts["launches"] >= 14 and counts["reverse compared"] >= 6, counts
 
 
 def test_mujoco_warp_step_launches():

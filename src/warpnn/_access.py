@@ -26,6 +26,8 @@ from typing import Any
 
 import warp as wp
 
+from . import _warp_compat as wc
+
 _ACCUMULATE_BUILTINS = {"atomic_add", "atomic_sub", "tile_atomic_add", "tile_atomic_add_indexed"}  # adjoints read, never write, the array
 _READ_WRITE_BUILTINS = {"atomic_min", "atomic_max", "atomic_exch", "atomic_cas", "atomic_and", "atomic_or", "atomic_xor"}
 _STORE_BUILTINS = {"tile_store", "tile_store_indexed", "array_store"}
@@ -504,7 +506,20 @@ def reconcile(uses: dict[str, ArrayUse], warp_facts: dict[str, tuple[bool, bool]
 # Warp's own facts
 
 
-_CODEGEN_FACTS: dict[int, tuple[Any, dict[str, tuple[bool, bool]] | None]] = {}
+@dataclasses.dataclass(frozen=True)
+class CodegenFacts:
+    """What Warp's code generator finds when it builds a kernel's forward and adjoint code.
+
+    ``access``: ``{parameter: (read, written)}`` for the array parameters (None where Warp cannot generate the
+    kernel: its launch then reports why). ``loop_problems``: why Warp's adjoint of a dynamic loop of the kernel
+    (or of a ``@wp.func`` it calls) would be wrong, one reason per loop (``_loop_problem``).
+    """
+
+    access: dict[str, tuple[bool, bool]] | None
+    loop_problems: tuple[str, ...] = ()
+
+
+_CODEGEN_FACTS: dict[int, tuple[Any, CodegenFacts]] = {}
 _CODEGEN_FACTS_LOCK = threading.Lock()
 
 
@@ -520,6 +535,14 @@ class _OneKernel:
         return [self._kernel]
 
 
+def warp_builds_adjoint(kernel) -> bool:
+    """Whether Warp generates ``kernel``'s adjoint (``enable_backward`` of the kernel, else of its module)."""
+    option = kernel.options.get("enable_backward")
+    if option is None:
+        option = kernel.module.options.get("enable_backward", True)
+    return bool(option)
+
+
 def codegen_access(kernel) -> dict[str, tuple[bool, bool]] | None:
     """``{parameter: (read, written)}`` for ``kernel``'s array parameters, as Warp's code generator finds them.
 
@@ -528,12 +551,17 @@ def codegen_access(kernel) -> dict[str, tuple[bool, bool]] | None:
     with an atomic or ``+=``, or passes it (or a view of it) to a ``@wp.func`` that does, and read likewise. Cached
     per kernel. None where Warp's code generator itself fails on the kernel (the launch will then fail in Warp).
     """
+    return codegen_facts(kernel).access
+
+
+def codegen_facts(kernel) -> CodegenFacts:
+    """Warp's facts about ``kernel`` (``CodegenFacts``), from one build of its code, cached per kernel."""
     cached = _CODEGEN_FACTS.get(id(kernel))
     if cached is not None and cached[0] is kernel:
         return cached[1]
     from warp._src import codegen, context
 
-    facts: dict[str, tuple[bool, bool]] | None
+    loops = _LoopWatch()
     try:
         module = kernel.module
         block_dim = module.options.get("block_dim", 256)
@@ -543,18 +571,273 @@ def codegen_access(kernel) -> dict[str, tuple[bool, bool]] | None:
         previous = codegen.options
         # Warp logs a warning for every array written after it was read; that is its business, not the user's here.
         with _CODEGEN_FACTS_LOCK, context._codegen_lock, warnings.catch_warnings(), \
-                contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                loops.watching(codegen.Adjoint):
             warnings.simplefilter("ignore")
             try:
                 context.ModuleBuilder(module, options, hasher=_OneKernel(kernel), target="cpu")
-                facts = {a.label: (bool(a.is_read), bool(a.is_write)) for a in kernel.adj.args
-                         if wp.types.is_array(a.type)}
+                access = {a.label: (bool(a.is_read), bool(a.is_write)) for a in kernel.adj.args
+                          if wp.types.is_array(a.type)}
             finally:
                 codegen.options = previous
+        facts = CodegenFacts(access, loops.problems_reaching(kernel.adj))
     except Exception:  # noqa: BLE001 - Warp cannot generate the kernel: its launch reports why
-        facts = None
+        facts = CodegenFacts(None)
     _CODEGEN_FACTS[id(kernel)] = (kernel, facts)
     return facts
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamic loops: what Warp's adjoint of a loop assumes
+#
+# Warp's adjoint kernel runs the forward code again before the adjoints, but not its dynamic loops: a variable a
+# dynamic loop changes (Warp "materialises" it, one storage for every iteration) holds its value from *before* the
+# loop in every statement after it, and inside the loop's reverse pass each iteration is replayed on whatever the
+# variable holds then. A while loop's condition, evaluated again there, is false at once: its reverse pass never
+# runs. Measured with wp.Tape: `s += x[i] * x[i]` then `out = wp.sqrt(s)` gives an infinite gradient, a running
+# product `p = p * x[i]` a wrong one. The adjoint is right only where no adjoint depends on such a value. Warp notes
+# each changed variable while generating the code (``Adjoint.materialize_redefinitions``); warpnn records them
+# there and decides per loop (``_loop_problem``).
+
+
+class _LoopWatch:
+    """Records, while Warp generates code, each dynamic loop and the variables it changes."""
+
+    def __init__(self):
+        self._problems: dict[int, list[str]] = {}  # id of a kernel's or function's Adjoint: its loops' problems
+        self._loops: list[ast.AST] = []
+
+    def problems_reaching(self, kernel_adj) -> tuple[str, ...]:
+        """The problems of the kernel's loops and of those of the ``@wp.func``s whose generated adjoint the
+        kernel's adjoint runs: the functions it calls, less those with a custom gradient (``@wp.func_grad``,
+        their generated adjoint is not used) and their callees reached only through them."""
+        found, seen, todo = [], set(), [kernel_adj]
+        while todo:
+            adj = todo.pop()
+            if id(adj) in seen or adj.skip_reverse_codegen or adj.custom_reverse_mode:
+                continue
+            seen.add(id(adj))
+            found += self._problems.get(id(adj), [])
+            todo += [f.adj for f in getattr(adj, "called_user_functions", {}) if getattr(f, "adj", None) is not None]
+        return tuple(dict.fromkeys(found))
+
+    @contextlib.contextmanager
+    def watching(self, adjoint_class):
+        visitors = adjoint_class.node_visitors
+        emit_for, emit_while = visitors[ast.For], visitors[ast.While]
+        materialize = adjoint_class.materialize_redefinitions
+        watch = self
+
+        def on_loop(emit):
+            def emit_loop(adj, node):
+                watch._loops.append(node)
+                try:
+                    return emit(adj, node)
+                finally:
+                    watch._loops.pop()
+            return emit_loop
+
+        def on_materialize(adj, symbols):
+            # Warp's own test for a changed variable (materialize_redefinitions): another Var at loop exit
+            changed = {sym: var.type for sym, var in symbols.items()
+                       if var != adj.symbols.get(sym, var)
+                       and not (adj.is_constant_iter_symbol(sym) and var.constant is not None)}
+            if watch._loops and changed and not adj.custom_reverse_mode:
+                try:
+                    problem = _loop_problem(watch._loops[-1], changed, adj)
+                except Exception as e:  # noqa: BLE001 - a loop warpnn cannot judge is refused, never passed
+                    problem = (f"warpnn could not analyse a dynamic loop in '{adj.fun_name}' ({type(e).__name__}: "
+                               f"{e}), which changes {', '.join(map(repr, sorted(changed)))}")
+                if problem is not None:
+                    watch._problems.setdefault(id(adj), []).append(problem)
+            return materialize(adj, symbols)
+
+        visitors[ast.For], visitors[ast.While] = on_loop(emit_for), on_loop(emit_while)
+        adjoint_class.materialize_redefinitions = on_materialize
+        try:
+            yield self
+        finally:
+            visitors[ast.For], visitors[ast.While] = emit_for, emit_while
+            adjoint_class.materialize_redefinitions = materialize
+
+
+def _loop_problem(loop: ast.AST, changed: dict[str, Any], adj) -> str | None:
+    """Why Warp's adjoint of ``loop`` (a dynamic ``for`` or a ``while`` of the function ``adj`` builds) would be
+    wrong, given the variables it changes and their Warp types, or None when it is right.
+
+    Right means, for a ``for`` loop: in the body, each changed variable is read only after an unconditional
+    assignment at the top of the body (a value of the same iteration, which the adjoint's replay of the iteration
+    computes again) or as the running value of its own sum (``v += e``, ``v = v + e``, ``v -= e``, every
+    assignment of it in that form: the adjoint of an addition does not depend on the running value); after the
+    loop, each changed variable only flows, through additions, into an array store, ``+=`` into an array,
+    ``wp.atomic_add``/``atomic_sub`` or a ``return`` (adjoints that do not depend on its value). Measured with
+    wp.Tape against pure JAX on each form. For a ``while`` loop, whose reverse pass never runs: no changed float
+    variable, no array written or ``@wp.func`` called in it, no changed variable read after it.
+    """
+    offset = int(getattr(adj, "fun_lineno", 1) or 1) - 1
+    where = f"line {offset + loop.lineno}"
+    function = f"in @wp.func '{adj.fun_name}'" if getattr(adj, "is_user_function", False) else f"in '{adj.fun_name}'"
+    arrays = {a.label for a in getattr(adj, "args", ()) if wp.types.is_array(a.type)}
+    try:
+        function_def = _function_def(adj.tree)
+        parents = _parents(function_def)
+        outside = _loads_outside(function_def, loop, parents)
+    except Exception:  # noqa: BLE001 - no tree: nothing can be shown
+        return f"the loop at {where} {function} changes {', '.join(map(repr, sorted(changed)))}"
+    if isinstance(loop, ast.While):
+        carried = sorted(sym for sym, t in changed.items() if _carries_gradient(t))
+        effect = _side_effect(loop, adj, offset)
+        read_after = next((n for n in outside if n.id in changed), None)
+        if carried:
+            what = f"carries {', '.join(map(repr, carried))}"
+        elif effect is not None:
+            what = effect
+        elif read_after is not None:
+            what = f"changes {read_after.id!r}, read after it (line {offset + read_after.lineno})"
+        else:
+            return None
+        return (f"the while loop at {where} {function} {what}: Warp's adjoint does not run a while loop again before "
+                "its reverse pass, so the loop's reverse pass never runs and the values after it are those from "
+                "before it")
+    for sym in sorted(changed):
+        how = _how_changed(loop, sym, offset)
+        if how is None:
+            read = next((n for n in outside if n.id == sym and not _flows_into_a_stored_sum(n, parents, arrays)),
+                        None)
+            if read is not None:
+                how = f"and line {offset + read.lineno} uses its value after the loop"
+        if how is not None:
+            return (f"the dynamic for loop at {where} {function} changes {sym!r} {how}: Warp's adjoint does not run "
+                    "dynamic loops again before their adjoints, so it would see the value from before the loop")
+    return None
+
+
+def _carries_gradient(warp_type) -> bool:
+    """Whether a variable of ``warp_type`` can carry a gradient (anything but integers, booleans and queries)."""
+    if warp_type is bool or warp_type in wc.int_types or "Query" in getattr(warp_type, "__name__", ""):
+        return False
+    try:
+        return wc.type_scalar_type(warp_type) in wc.float_types
+    except Exception:  # noqa: BLE001 - a struct or another type without one scalar type: assume it can
+        return True
+
+
+def _parents(tree: ast.AST) -> dict[int, ast.AST]:
+    return {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _loads_outside(function: ast.FunctionDef, loop: ast.AST, parents: dict[int, ast.AST]) -> list[ast.Name]:
+    """Loads of names in ``function`` outside ``loop`` that may run after it: all of them, less those before it
+    when it is not inside another loop (they run once, before it)."""
+    inside = {id(n) for n in ast.walk(loop)}
+    node, nested = loop, False
+    while id(node) in parents:
+        node = parents[id(node)]
+        nested = nested or isinstance(node, (ast.For, ast.While))
+    return [n for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            and id(n) not in inside and (nested or n.lineno >= loop.lineno)]
+
+
+def _flows_into_a_stored_sum(name: ast.Name, parents: dict[int, ast.AST], arrays: set[str]) -> bool:
+    """Whether ``name`` is a term of a sum (``+``, ``-``) that is stored to an array element, added into one
+    (``a[i] += ...``, ``wp.atomic_add``/``atomic_sub``) or returned: adjoints that do not depend on its value."""
+    node: ast.AST = name
+    parent = parents.get(id(node))
+    while isinstance(parent, ast.BinOp) and isinstance(parent.op, (ast.Add, ast.Sub)) or \
+            isinstance(parent, ast.UnaryOp) and isinstance(parent.op, (ast.USub, ast.UAdd)):
+        node, parent = parent, parents.get(id(parent))
+
+    def array_element(target: ast.AST) -> bool:
+        return isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id in arrays
+
+    if isinstance(parent, ast.Return):
+        return True
+    if isinstance(parent, (ast.Assign, ast.AugAssign)) and parent.value is node:
+        targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
+        return all(array_element(t) for t in targets)
+    if isinstance(parent, ast.Call) and _callee_name(parent.func) in ("atomic_add", "atomic_sub") \
+            and len(parent.args) >= 3 and parent.args[-1] is node and isinstance(parent.args[0], ast.Name) \
+            and parent.args[0].id in arrays:
+        return True
+    return False
+
+
+def _side_effect(loop: ast.AST, adj, offset: int) -> str | None:
+    """The first statement in ``loop`` that writes an array or calls a ``@wp.func``, as a phrase, or None."""
+    from warp._src.context import Function
+
+    scope = _names_visible_to(adj.func) if getattr(adj, "func", None) is not None else {}
+    for node in ast.walk(loop):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, (ast.Subscript, ast.Attribute)) for t in targets):
+                return f"writes an element (line {offset + node.lineno})"
+        if isinstance(node, ast.Call):
+            name = _callee_name(node.func)
+            if name is not None and _builtin_write_kind(name) is not None:
+                return f"calls wp.{name} (line {offset + node.lineno})"
+            callee = scope.get(name) if isinstance(node.func, ast.Name) else None
+            if isinstance(callee, Function) and not callee.is_builtin():
+                return f"calls @wp.func '{name}' (line {offset + node.lineno})"
+    return None
+
+
+def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
+    """None when each iteration of ``loop`` that Warp's adjoint replays computes with ``sym`` what the forward pass
+    did: every read of it in the body follows an unconditional assignment at the top of the body (a value of this
+    iteration), is inside an inner ``for`` that sets it, or is the running value of ``sym += e`` / ``sym = sym + e``
+    / ``sym -= e`` / ``sym = e + sym`` when every assignment of it in the loop has that form (the adjoint of a sum
+    does not depend on its running value). Else the read, as a phrase."""
+    body = list(loop.body)
+    parents = _parents(ast.Module(body=body, type_ignores=[]))
+    top = {id(n): k for k, statement in enumerate(body) for n in ast.walk(statement)}
+    assignments, running_reads = 0, set()
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == sym:
+            assignments += 1
+            if isinstance(node.op, (ast.Add, ast.Sub)):
+                running_reads.add(id(node.target))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
+                isinstance(n, ast.Name) and n.id == sym and isinstance(n.ctx, ast.Store)
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) for n in ast.walk(t)):
+            assignments += 1
+            value = node.value
+            if isinstance(value, ast.BinOp) and isinstance(value.left, ast.Name) and value.left.id == sym \
+                    and isinstance(value.op, (ast.Add, ast.Sub)):
+                running_reads.add(id(value.left))
+            elif isinstance(value, ast.BinOp) and isinstance(value.right, ast.Name) and value.right.id == sym \
+                    and isinstance(value.op, ast.Add):
+                running_reads.add(id(value.right))
+    accumulates = assignments == len(running_reads)
+    set_at_top = next((k for k, statement in enumerate(body) if _assigns_name(statement, sym)), None)
+
+    def set_by_inner_for(node: ast.AST) -> bool:
+        while id(node) in parents:
+            node = parents[id(node)]
+            if isinstance(node, ast.For) and any(isinstance(n, ast.Name) and n.id == sym for n in ast.walk(node.target)):
+                return True
+        return False
+
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        reads = isinstance(node, ast.Name) and node.id == sym and isinstance(node.ctx, ast.Load) \
+            or isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == sym
+        if not reads:
+            continue
+        read = node.target if isinstance(node, ast.AugAssign) else node
+        if set_at_top is not None and top[id(node)] > set_at_top or set_by_inner_for(node) \
+                or accumulates and id(read) in running_reads:
+            continue
+        return f"and line {offset + node.lineno} reads the value an earlier iteration left in it"
+    return None
+
+
+def _assigns_name(statement: ast.stmt, sym: str) -> bool:
+    """Whether ``statement`` is ``sym = ...`` (or ``sym: T = ...``): it sets ``sym`` whenever it runs."""
+    if isinstance(statement, ast.Assign):
+        return len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name) \
+            and statement.targets[0].id == sym
+    return isinstance(statement, ast.AnnAssign) and statement.value is not None \
+        and isinstance(statement.target, ast.Name) and statement.target.id == sym
 
 
 def _fully_written(tree: ast.AST, name: str) -> bool:

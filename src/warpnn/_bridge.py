@@ -113,6 +113,11 @@ FORWARD_ONLY_MESSAGE = (
 )
 
 REVERSE_PROBLEM_MESSAGE = "Kernel '{key}' cannot be differentiated: {problems}. The forward pass works as it is."
+LOOP_ADVICE = (
+    " To differentiate, let a dynamic loop's carried variables only accumulate (`total += term`, the term free of "
+    "other carried variables), unroll a short loop with a constant range (`for i in range(3)`), or keep the "
+    "loop's partial results in an array (one element per iteration) instead of a variable."
+)
 IN_PLACE_ADVICE = (
     " Warp's adjoint replays the kernel against the values its arrays had before the launch, which is only right "
     "if no thread reads a value written in the same launch. To differentiate, read the old values and write the "
@@ -851,11 +856,11 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         return (None,) * len(sig.array_inputs)  # nothing to differentiate, or a zero cotangent: zero adjoints
     if not plan.differentiable:
         raise TypeError(FORWARD_ONLY_MESSAGE.format(key=sig.key))
-    if sig.reverse_problems:
-        problems = "; ".join(f"array '{n}': {why}" for n, why in sig.reverse_problems.items())
+    reasons = sig.reverse_refusal_reasons()
+    if reasons:
         in_place = any(sig.uses[n].in_place_problem() is not None for n in sig.reverse_problems)
-        raise TypeError(REVERSE_PROBLEM_MESSAGE.format(key=sig.key, problems=problems)
-                        + (IN_PLACE_ADVICE if in_place else ""))
+        raise TypeError(REVERSE_PROBLEM_MESSAGE.format(key=sig.key, problems="; ".join(reasons))
+                        + (IN_PLACE_ADVICE if in_place else "") + (LOOP_ADVICE if sig.loop_problems else ""))
     if not sig.has_adjoint:
         raise TypeError(
             f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "

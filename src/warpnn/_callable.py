@@ -27,7 +27,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import _sharding
 from . import _warp_compat as wc
 from ._bridge import SECOND_ORDER_MESSAGE, _fence, _Static, forward_mode_refused, instantiate_zero, zero_aval
-from ._access import ArrayUse, analyse_array_uses
+from ._access import ArrayUse, analyse_array_uses, codegen_facts, warp_builds_adjoint
 from ._signature import _arg_spec
 from ._warp_compat import jax_ffi
 
@@ -45,6 +45,13 @@ NO_ADJOINT_MESSAGE = (
     "but it was compiled without an adjoint (enable_backward=False on the kernel or its module), so wp.Tape "
     "would skip it and the gradient through it would be zero. Fix: remove enable_backward=False, or keep its "
     "inputs out of the gradient (jax.lax.stop_gradient on the inputs they come from)."
+)
+
+LOOP_ADJOINT_MESSAGE = (
+    "warpnn.jax_callable '{name}': kernel '{kernel}' reads arrays that have gradients, and wp.Tape's gradient "
+    "through it would be wrong: {problem}. Fix: let the loop's carried variables only accumulate (`total += "
+    "term`), unroll a short loop with a constant range, or keep the kernel's inputs out of the gradient "
+    "(jax.lax.stop_gradient on the inputs they come from)."
 )
 
 FORWARD_MODE_MESSAGE = (
@@ -694,14 +701,6 @@ def _array_uses(kernel) -> dict[str, ArrayUse]:
     return analyse_array_uses(kernel, specs)
 
 
-def _has_adjoint(kernel) -> bool:
-    """Whether Warp generates the kernel's adjoint (``enable_backward`` of the kernel, else of its module)."""
-    option = kernel.options.get("enable_backward")
-    if option is None:
-        option = kernel.module.options.get("enable_backward", True)
-    return bool(option)
-
-
 def _is_float_array(value) -> bool:
     return isinstance(value, wp.array) and wc.type_scalar_type(value.dtype) in wc.float_types
 
@@ -730,10 +729,12 @@ def _check_gradient_chain(name: str, tape, call_arrays) -> None:
             isinstance(v, wp.array) and v.requires_grad and p in decided and decided[p].reads
             for p, v in zip(params, values)
         )
-        if differentiable and not _has_adjoint(kernel) and any(
-            _is_float_array(v) and p in uses and uses[p].writes for p, v in zip(params, values)
-        ):
+        writes_floats = any(_is_float_array(v) and p in uses and uses[p].writes for p, v in zip(params, values))
+        if differentiable and writes_floats and not warp_builds_adjoint(kernel):
             raise RuntimeError(NO_ADJOINT_MESSAGE.format(name=name, kernel=kernel.key))
+        loop_problems = codegen_facts(kernel).loop_problems if differentiable and writes_floats else ()
+        if loop_problems:
+            raise RuntimeError(LOOP_ADJOINT_MESSAGE.format(name=name, kernel=kernel.key, problem=loop_problems[0]))
         for param, value in zip(params, values):
             use = decided.get(param)
             if use is None or not _is_float_array(value) or value.requires_grad or value.ptr in passed_in or not value.ptr:

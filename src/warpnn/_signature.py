@@ -17,7 +17,7 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
-from ._access import ArrayUse, _fully_written, analyse_array_uses
+from ._access import ArrayUse, _fully_written, analyse_array_uses, codegen_facts, warp_builds_adjoint
 from warp._src.codegen import Struct
 
 
@@ -185,6 +185,17 @@ class KernelSignature:
                     "adjoint wrongly (memory corruption with a negative index). Measure it in the kernel body and "
                     "pass the size to the function as an argument")
         return problems
+
+    @functools.cached_property
+    def loop_problems(self) -> tuple[str, ...]:
+        """Dynamic loops of the kernel (or of a ``@wp.func`` it calls) whose adjoint Warp would get wrong, one
+        reason each (``_access._loop_problem``): a loop that carries a value other than a running sum, or a while
+        loop with anything differentiable in it."""
+        return codegen_facts(self.kernel).loop_problems
+
+    def reverse_refusal_reasons(self) -> list[str]:
+        """Why reverse mode must refuse this kernel, one phrase per array or loop (empty: it may differentiate)."""
+        return [*(f"array '{n}': {why}" for n, why in self.reverse_problems.items()), *self.loop_problems]
 
     @functools.cached_property
     def replay_buffers(self) -> tuple[ArgSpec, ...]:
@@ -369,10 +380,7 @@ class KernelSignature:
         A kernel without one still runs forward (integer-only kernels such as neighbour searches often opt
         out to compile faster); only differentiating it is an error.
         """
-        option = self.kernel.options.get("enable_backward")
-        if option is None:
-            option = self.kernel.module.options.get("enable_backward", True)
-        return bool(option)
+        return warp_builds_adjoint(self.kernel)
 
     @functools.cached_property
     def thread_private_arrays(self) -> tuple[frozenset[str], frozenset[str]]:

@@ -18,7 +18,7 @@ from warp._src.jax import ffi as jax_ffi
 from warp._src.jax import xla_ffi
 from warp._src.jax.ffi import _validate_ffi_kernel_launch_bounds as validate_launch_bounds
 from warp._src.types import array_t, matches_array_class, strides_from_shape, type_size_in_bytes, value_types
-from warp._src.types import float_types, type_scalar_type
+from warp._src.types import float_types, int_types, type_scalar_type
 
 __all__ = [
     "array_t",
@@ -34,6 +34,7 @@ __all__ = [
     "validate_launch_bounds",
     "value_types",
     "float_types",
+    "int_types",
     "type_scalar_type",
     "xla_ffi",
 ]
