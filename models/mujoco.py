@@ -24,8 +24,9 @@ The pytrees are dicts of JAX arrays with mujoco_warp's shapes for ``nworld = 1``
 What is checked (``tests/test_models_mujoco.py``): forward under ``jit`` / ``lax.scan`` / ``vmap`` against
 ``mujoco_warp.step`` run directly (bit-equal on an arm and a cart-pole hitting a joint limit) and against
 ``mujoco.mj_step`` (<= 3.5e-6), and a free box landing on a plane (contacts and the constraint solver). Refused
-today, with the reason: reverse mode (``reverse_refusals()`` lists the kernels and why: mujoco_warp builds most of
-them with ``enable_backward=False``, others have loops or in-launch access patterns Warp's adjoint gets wrong).
+today, with the reason: reverse mode through the whole step (``reverse_refusals()`` lists the kernels and why: the
+tree walks read what other threads of the same launch write, some loops' adjoints are wrong in Warp); the other
+kernels differentiate, those mujoco_warp builds with ``enable_backward=False`` through a rebuilt adjoint.
 See ``docs/mujoco.md``.
 
 Example::
@@ -174,13 +175,16 @@ class MujocoStep:
         """The step's kernels that reverse mode refuses today, ``{kernel key: "<stage>: <reason>"}``.
 
         The same checks the bridge makes when a gradient reaches a kernel (``jax.grad`` raises a ``TypeError``
-        naming the first such kernel it meets, backwards from the outputs): no adjoint (``enable_backward=False``
-        on the kernel or its mujoco_warp module), reads of values other threads of the same launch write, and
-        writes inside a ``@wp.func`` that Warp's adjoint would replay. The stage is the mujoco_warp module
+        naming the first such kernel it meets, backwards from the outputs): reads of values other threads of the
+        same launch write, dynamic loops whose adjoint Warp gets wrong, arrays warpnn cannot follow. A kernel
+        mujoco_warp compiles without an adjoint (``enable_backward=False`` on 25 of its modules) is differentiated
+        through its twin built with one (``warpnn._twins.with_adjoint``), the installed package untouched. The stage is the mujoco_warp module
         (``smooth``, ``forward``, ``passive``, ``constraint``, ``solver``, ``collision_*``, ...).
         """
         # The bridge's analysis of a kernel (one source of truth) over the recorded launches.
+        from warpnn._access import codegen_access
         from warpnn._signature import signature_of
+        from warpnn._twins import with_adjoint
 
         refused: dict[str, str] = {}
         for op in self.program.launches():
@@ -188,10 +192,9 @@ class MujocoStep:
                 continue
             kernel = op.kernel
             sig = signature_of(kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
-            reasons = []
-            if not sig.has_adjoint:
-                reasons.append("compiled without an adjoint (enable_backward=False)")
-            reasons += sig.reverse_refusal_reasons()
+            reasons = sig.reverse_refusal_reasons()
+            if not sig.has_adjoint and codegen_access(with_adjoint(kernel)) is None:
+                reasons.append("compiled without an adjoint, and Warp cannot generate one")
             if reasons:
                 stage = getattr(kernel.func, "__module__", "?").rsplit(".", 1)[-1]
                 refused[kernel.key] = f"{stage}: " + "; ".join(reasons)

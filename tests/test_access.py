@@ -363,6 +363,39 @@ def loop_reads_an_earlier_iteration(x: wp.array2d(dtype=float), n: int, out: wp.
 
 
 @wp.kernel
+def loop_skips_with_continue(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    for i in range(n):
+        if x[t, i] > 1.0:
+            s += x[t, i] * x[t, i]
+            continue  # Warp's adjoint of this iteration loses the line above
+        s += 2.0 * x[t, i]
+    out[t] = s
+
+
+@wp.kernel
+def loop_constant_range_continue(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    for i in range(4):  # unrolled: Warp lowers the continue to a condition
+        if x[t, i] > 1.0:
+            s += x[t, i] * x[t, i]
+            continue
+        s += 2.0 * x[t, i]
+    out[t] = s
+
+
+@wp.kernel
+def loop_stops_with_break(x: wp.array2d(dtype=float), n: int, out: wp.array2d(dtype=float)):
+    t = wp.tid()
+    for i in range(n):
+        out[t, i] = x[t, i] * x[t, i]
+        if x[t, i] > 1.2:
+            break
+
+
+@wp.kernel
 def loop_norm(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
     t = wp.tid()
     s = float(0.0)
@@ -447,6 +480,7 @@ LOOPS_WARP_GETS_RIGHT = {
     loop_sum_of_squares: lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 0.0), 1),
     loop_nested_sum: lambda x: jnp.sum(x, 1) ** 2 - x[:, 0],
     loop_constant_range_norm: lambda x: jnp.sqrt(_square_sum(x)),
+    loop_constant_range_continue: lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 2.0 * x), 1),
     loop_values_of_one_iteration: lambda x: jnp.sum(4.0 * x**4, 1) + 2.0 * x[:, -1] ** 2 + _last_big(x),
 }
 LOOPS_WARP_GETS_WRONG = {  # kernel: (pure-JAX reference, what the refusal names)
@@ -457,6 +491,7 @@ LOOPS_WARP_GETS_WRONG = {  # kernel: (pure-JAX reference, what the refusal names
     loop_flag_guards_the_store: (lambda x: jnp.where(jnp.any(x > 1.0, 1), _square_sum(x), 0.0), "changes 'found'"),
     while_sum: (_square_sum, "the while loop at line"),
     loop_in_a_func: (lambda x: jnp.prod(x, 1), "in @wp.func 'product_of_row'"),
+    loop_skips_with_continue: (lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 2.0 * x), 1), "leaves an iteration early"),
     loop_reads_an_earlier_iteration: (lambda x: jax.vmap(_squares_of_last_big_doubled)(x), "changes 'v' and line"),
 }
 _LOOP_X = np.random.default_rng(0).uniform(0.5, 1.5, (3, 4)).astype(np.float32)
@@ -510,6 +545,16 @@ def test_loops_whose_adjoint_is_wrong_are_refused_naming_the_loop(kernel):
     want = np.asarray(jax.grad(lambda x: ref(x).sum())(x))
     got = _loop_tape_grad(kernel)
     assert not np.allclose(got, want, rtol=1e-3, atol=1e-3), (got, want)
+
+
+def test_a_loop_that_breaks_is_refused():
+    f = warpnn.jax_kernel(loop_stops_with_break, num_outputs=1)
+    x = jnp.asarray(_LOOP_X)
+    # (the elements after the break keep the zeros the output starts from)
+    reached = np.cumsum(np.cumsum(np.asarray(x) > 1.2, axis=1), axis=1) <= 1
+    assert_close(f(x, 4, launch_dims=3, output_dims=(3, 4))[0], np.where(reached, np.asarray(x) ** 2, 0.0))
+    with pytest.raises(TypeError, match="leaves an iteration early .`break`"):
+        jax.grad(lambda x: f(x, 4, launch_dims=3, output_dims=(3, 4))[0].sum())(x)
 
 
 def test_jax_callable_refuses_a_loop_whose_tape_gradient_is_wrong():

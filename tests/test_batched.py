@@ -558,6 +558,15 @@ def masked_square_sum_ref(x, w):
 
 
 @wp.kernel
+def stores_then_returns(a: wp.array2d(dtype=float), y: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    if j == 0:
+        y[i, 0] = 2.0 * a[i, 0]
+        return  # the row loop had `continue` here: Warp's adjoint lost the store above (d/da[:, 0] was 0)
+    y[i, j] = a[i, j] * a[i, j]
+
+
+@wp.kernel
 def ramp_3d(x: wp.array3d(dtype=float), y: wp.array3d(dtype=float)):
     i, j, k = wp.tid()
     y[i, j, k] = 2.0 * x[i, j, k] * x[i, j, k] + float(k)
@@ -611,6 +620,7 @@ def _row_loop_cases():
     v = jax.random.normal(k1, (3, 5, 7))
     ramp_ref = lambda v: 2.0 * v * v + jnp.arange(7.0)  # noqa: E731
     poly, p = warpnn.jax_kernel(polynomial_2d), jnp.array([0.4, -1.3])
+    stored = warpnn.jax_kernel(stores_then_returns)
     poly_ref = lambda x, p: p[0] * x + p[1] * x * x + p[0]  # noqa: E731
     return {  # kernel, forward, its pure-JAX reference, arguments (every one differentiated)
         "constant_index_reads_2d": (polynomial_2d, lambda x, p: poly(x, p)[0], poly_ref, (x, p)),
@@ -618,6 +628,8 @@ def _row_loop_cases():
         "early_return_and_atomics_2d": (
             masked_square_sum, lambda x, w: tuple(masked(x, w, output_dims={"y": x.shape, "s": 1})), masked_square_sum_ref, (x, w)),
         "3d": (ramp_3d, lambda v: ramp(v)[0], ramp_ref, (v,)),
+        "work_before_a_return_2d": (stores_then_returns, lambda a: stored(a)[0],
+                                    lambda a: jnp.where(jnp.arange(a.shape[1]) == 0, 2.0 * a, a * a), (x,)),
     }
 
 

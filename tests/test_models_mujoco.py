@@ -240,8 +240,8 @@ def test_arm_gradient_matches_finite_differences_or_is_refused(arm, wrt, steps):
     """jax.grad through 1 and 10 steps w.r.t. ctrl and the initial qvel: either it matches central differences of
     mj_step (float64, 1e-3 relative) or it is refused with a TypeError naming a kernel of the step that
     step.reverse_refusals() lists and the reason, never zeros. Today the first kernel met backwards is refused
-    (mujoco_warp 4.0 builds 56 of the arm step's 57 kernels with enable_backward=False; '_next_time' also reads
-    'overflow' after writing it), so the test ends as an expected failure that says so."""
+    (20 of the arm step's 53 kernels: the tree walks read values other threads of the same launch write, some
+    loops' adjoints are wrong in Warp), so the test ends as an expected failure that says so."""
     step, mjm, mjd = arm
     s0 = step.initial_state()
     weights = np.array([1.0, -0.5, 0.3, 0.7])  # qpos, qvel of the two joints
@@ -269,21 +269,23 @@ def test_arm_gradient_matches_finite_differences_or_is_refused(arm, wrt, steps):
     np.testing.assert_allclose(grad, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
 
 
-def test_reverse_refusals_name_the_forward_only_kernels(arm):
-    """reverse_refusals() lists every launched kernel compiled without an adjoint, read from Warp's own options
-    (the kernel's, else its module's enable_backward), with its mujoco_warp stage."""
+def test_reverse_refusals_name_a_reason_and_kernels_without_adjoint_are_rebuilt(arm):
+    """reverse_refusals() gives each refused kernel its mujoco_warp stage and a reason from the facts (access
+    patterns, loops); a kernel compiled without an adjoint is not refused for that alone: warpnn builds its
+    adjoint in a module of its own (measured on the arm: 20 of 53 kernels refused; the differential test compares
+    the others' gradients with wp.Tape over the rebuilt kernels)."""
     step, _, _ = arm
     refusals = step.reverse_refusals()
     from warpnn._tracer import _Launch
 
-    for op in step.program._ops:
-        if isinstance(op, _Launch):
-            kernel = op.kernel
-            enabled = kernel.options.get("enable_backward", kernel.module.options.get("enable_backward", True))
-            if not enabled:
-                assert "enable_backward=False" in refusals[kernel.key], kernel.key
-    assert refusals["_next_velocity"].startswith("forward: compiled without an adjoint")
-    assert refusals["_kinematics_branch"].startswith("smooth:")
+    kernels = {op.kernel.key: op.kernel for op in step.program._ops if isinstance(op, _Launch)}
+    without_adjoint = [k for k, kernel in kernels.items()
+                       if not kernel.options.get("enable_backward", kernel.module.options.get("enable_backward", True))]
+    assert len(without_adjoint) >= 30
+    assert set(refusals) < set(kernels) and len(refusals) < len(without_adjoint)
+    assert "_next_velocity" not in refusals  # forward-only in mujoco_warp, differentiable here
+    assert refusals["_kinematics_branch"].startswith("smooth: array 'xpos_out'")
+    assert all("enable_backward" not in why for why in refusals.values())
 
 
 def test_cartpole_with_joint_limit_equals_mujoco_warp():

@@ -454,6 +454,40 @@ def _function_def(tree: ast.AST) -> ast.FunctionDef:
     return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
 
 
+def values_only_refill_integer_arrays(tree: ast.AST, name: str, integer_arrays: frozenset[str]) -> bool:
+    """Whether every value the kernel reads from the array ``name`` goes, through operators only, straight into a
+    store to an element of ``integer_arrays`` (``flags[w] = flags[w] | BIT``), and the array is used nowhere
+    else (no view, no call, no condition, no index, no variable).
+
+    Then what Warp's adjoint replays for it does not matter: the replay skips stores, and nothing it
+    differentiates reads those values. An integer array read after the launch wrote it (mujoco_warp's
+    ``overflow`` flags) is no reason to refuse reverse mode.
+    """
+    function = _function_def(tree)
+    parents = _parents(function)
+    operators = (ast.BinOp, ast.UnaryOp, ast.BoolOp)
+    for node in ast.walk(function):
+        if not (isinstance(node, ast.Name) and node.id == name):
+            continue
+        element = parents.get(id(node))
+        if not (isinstance(element, ast.Subscript) and element.value is node):
+            return False
+        statement = parents.get(id(element))
+        if isinstance(element.ctx, ast.Store) and isinstance(statement, (ast.Assign, ast.AugAssign)) \
+                and element in (statement.targets if isinstance(statement, ast.Assign) else [statement.target]):
+            continue  # a store to it (`+=`: its read goes into that same store)
+        child = element
+        while isinstance(statement, operators):
+            child, statement = statement, parents.get(id(statement))
+        targets = statement.targets if isinstance(statement, ast.Assign) else \
+            [statement.target] if isinstance(statement, ast.AugAssign) else []
+        if not (targets and statement.value is child and all(
+                isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in integer_arrays
+                for t in targets)):
+            return False
+    return True
+
+
 def analyse_array_uses(kernel, specs) -> dict[str, ArrayUse]:
     """How ``kernel`` uses each array parameter in ``specs`` (``ArgSpec`` s): warpnn's walk of its source, made
     undecided wherever Warp's code generator (``codegen_access``) finds an access the walk does not place."""
@@ -606,6 +640,7 @@ class _LoopWatch:
     def __init__(self):
         self._problems: dict[int, list[str]] = {}  # id of a kernel's or function's Adjoint: its loops' problems
         self._loops: list[ast.AST] = []
+        self._dynamic: list[bool] = []  # per loop being generated: whether Warp emits it as a dynamic loop
 
     def problems_reaching(self, kernel_adj) -> tuple[str, ...]:
         """The problems of the kernel's loops and of those of the ``@wp.func``s whose generated adjoint the
@@ -631,10 +666,15 @@ class _LoopWatch:
         def on_loop(emit):
             def emit_loop(adj, node):
                 watch._loops.append(node)
+                watch._dynamic.append(False)
                 try:
                     return emit(adj, node)
                 finally:
                     watch._loops.pop()
+                    if watch._dynamic.pop() and not adj.custom_reverse_mode:
+                        problem = _early_exit_problem(node, adj)
+                        if problem is not None:
+                            watch._problems.setdefault(id(adj), []).append(problem)
             return emit_loop
 
         def on_materialize(adj, symbols):
@@ -642,6 +682,8 @@ class _LoopWatch:
             changed = {sym: var.type for sym, var in symbols.items()
                        if var != adj.symbols.get(sym, var)
                        and not (adj.is_constant_iter_symbol(sym) and var.constant is not None)}
+            if watch._dynamic:
+                watch._dynamic[-1] = True  # (Warp materialises only a loop it does not unroll)
             if watch._loops and changed and not adj.custom_reverse_mode:
                 try:
                     problem = _loop_problem(watch._loops[-1], changed, adj)
@@ -659,6 +701,28 @@ class _LoopWatch:
         finally:
             visitors[ast.For], visitors[ast.While] = emit_for, emit_while
             adjoint_class.materialize_redefinitions = materialize
+
+
+def _early_exit_problem(loop: ast.AST, adj) -> str | None:
+    """Why Warp's adjoint of the dynamic ``loop`` is wrong if an iteration can leave it early: measured with wp.Tape,
+    an iteration that leaves by ``continue`` or ``break`` gets no adjoint for what it did before (the gradient of
+    ``if c: s += x * x; continue`` is lost). A constant-range loop with ``continue`` that Warp unrolls is right."""
+    def exits_of(node: ast.AST) -> list[ast.stmt]:  # this loop's, not those of loops inside it
+        if isinstance(node, (ast.Break, ast.Continue)):
+            return [node]
+        return [e for child in ast.iter_child_nodes(node) if not isinstance(child, (ast.For, ast.While))
+                for e in exits_of(child)]
+
+    exits = [e for statement in loop.body for e in exits_of(statement)]
+    if not exits:
+        return None
+    offset = int(getattr(adj, "fun_lineno", 1) or 1) - 1
+    function = f"in @wp.func '{adj.fun_name}'" if getattr(adj, "is_user_function", False) else f"in '{adj.fun_name}'"
+    kind = "while loop" if isinstance(loop, ast.While) else "dynamic for loop"
+    first = min(exits, key=lambda n: n.lineno)
+    return (f"the {kind} at line {offset + loop.lineno} {function} leaves an iteration early "
+            f"(`{ast.unparse(first)}`, line {offset + first.lineno}): Warp's adjoint of such an iteration loses the "
+            "adjoints of what it did before leaving")
 
 
 def _loop_problem(loop: ast.AST, changed: dict[str, Any], adj) -> str | None:

@@ -63,7 +63,6 @@ import dataclasses
 import os
 import textwrap
 import threading
-import types
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -73,6 +72,7 @@ import warp as wp
 from . import _settings
 from . import _warp_compat as wc
 from ._access import _names_visible_to
+from ._twins import WP_NAME, kernel_from_source
 
 BATCH_PREFIX = "warpnn_"
 FIRST_BATCH = "warpnn_first_batch"
@@ -512,7 +512,7 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
     # The row twin of a kernel of rank >= 2 loops over its last launch dim itself: Warp's CPU code unravels
     # every thread's coordinates from one linear index with a 64-bit division per dim, about half the cost of
     # a small kernel such as a stencil (benchmarks/cpu_codegen.py); a loop has none. `return` becomes `continue`.
-    inner_loop = not batched and kernel_dim >= 2 and _returns_only_at_top(flat_body)
+    inner_loop = not batched and kernel_dim >= 2 and _returns_as_branches(flat_body) is not None
     shapes = None
     if inner_loop:
         array_params = frozenset(n for n in params if n not in others)
@@ -521,14 +521,16 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
     launched = kernel_dim - inner_loop
     coords = ", ".join(f"{BATCH_PREFIX}r{k}" if k == 0 else f"{BATCH_PREFIX}t{k}" for k in range(launched))
     prologue = [
-        f"{BATCH_PREFIX}bl, {coords} = {BATCH_PREFIX}wp.tid()" if batched else f"{coords} = {BATCH_PREFIX}wp.tid()",
+        f"{BATCH_PREFIX}bl, {coords} = {WP_NAME}.tid()" if batched else f"{coords} = {WP_NAME}.tid()",
         *([f"{BATCH_PREFIX}b = {BATCH_PREFIX}bl + {FIRST_BATCH}"] if batched else []),
         f"{BATCH_PREFIX}t0 = {BATCH_PREFIX}r0 + {FIRST_ROW}",
     ]
     if shapes is not None:
         flat_body, measured = shapes
         flat_body, hoisted = _hoisted_reads(flat_body, {n: arg_types[n].ndim for n in params if n not in others})
-        flat_body = [_ReturnToContinue().visit(x) for x in flat_body]
+        lowered = _returns_as_branches(flat_body)
+        assert lowered is not None  # (inner_loop was decided on it)
+        flat_body = lowered
         prologue += [*measured, *hoisted, f"for {BATCH_PREFIX}t{kernel_dim - 1} in range({INNER}):"]
     body_source = ast.unparse(ast.Module(body=flat_body, type_ignores=[]))
     annotations = {  # the twin's parameters, in order
@@ -544,19 +546,8 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
         *("    " + line for line in prologue),
         textwrap.indent(body_source, "        " if inner_loop else "    "),
     ]) + "\n"
-    twin = _kernel_from_source(kernel, source, name, annotations, key=f"{kernel.key}{suffix}", kind=suffix[2:])
+    twin = kernel_from_source(kernel, source, name, annotations, key=f"{kernel.key}{suffix}", kind=suffix[2:])
     return Twin(twin, kernel_dim, batched, inner_loop)
-
-
-def _kernel_from_source(kernel, source: str, name: str, annotations: dict, key: str, kind: str):
-    """A Warp kernel built from ``source`` (a function ``name`` whose parameters are ``annotations``' keys, in
-    order), resolving names as ``kernel`` does, with ``kernel``'s options, in a module of its own (``kind``):
-    adding it to ``kernel``'s module would rebuild and unload the code already loaded."""
-    func = _stub_function(kernel.func, name, list(annotations))
-    func.__annotations__ = dict(annotations)
-    module = wp.get_module(f"{kind}.{kernel.module.name}.{kernel.key}")
-    module.options.update({k: v for k, v in kernel.module.options.items() if k in module.options})
-    return wp.Kernel(func, key=key, module=module, options=dict(kernel.options), source=source)
 
 
 _REORDERED: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
@@ -564,12 +555,12 @@ _REORDERED: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
 
 def _twin_from_body(kernel, params: list[str], body: list[ast.stmt], kind: str):
     """A kernel running ``body`` (statements of ``kernel``'s, rewritten) over ``params`` (``kernel``'s parameter
-    names, in the twin's order), with ``kernel``'s key, types and options: see ``_kernel_from_source``."""
+    names, in the twin's order), with ``kernel``'s key, types and options: see ``_twins.kernel_from_source``."""
     arg_types = {k: v for k, v in kernel.adj.arg_types.items() if k != "return"}
     name = f"{kernel.adj.tree.body[0].name}__{kind}"
     body_source = ast.unparse(ast.Module(body=body, type_ignores=[]))
     source = f"def {name}({', '.join(params)}):\n" + textwrap.indent(body_source, "    ") + "\n"
-    return _kernel_from_source(kernel, source, name, {n: arg_types[n] for n in params}, key=kernel.key, kind=kind)
+    return kernel_from_source(kernel, source, name, {n: arg_types[n] for n in params}, key=kernel.key, kind=kind)
 
 
 def with_parameters_reordered(kernel, order: tuple[str, ...]):
@@ -631,47 +622,51 @@ def with_parameters_merged(kernel, merged: tuple[tuple[str, str], ...]):
         return twin
 
 
-def _returns_only_at_top(body: list[ast.stmt]) -> bool:
-    """Whether every ``return`` of the kernel body is outside its loops (it can become the row loop's ``continue``)."""
+def _returns_as_branches(body: list[ast.stmt]) -> list[ast.stmt] | None:
+    """The kernel body with each ``return`` replaced by the branch structure it implies (``if c: A; return`` then
+    ``B`` becomes ``if c: A else: B``), so that it can run as one iteration of the row loop; None where a
+    ``return`` is inside a loop or in a branch that does not always return.
 
-    def returns_in_loops(node: ast.AST, in_loop: bool) -> bool:
-        if isinstance(node, ast.Return):
-            return in_loop
-        inner = in_loop or isinstance(node, (ast.For, ast.While))
-        return any(returns_in_loops(child, inner) for child in ast.iter_child_nodes(node))
+    Not ``continue``: Warp's adjoint of a dynamic loop does not reverse an iteration that leaves by ``continue``
+    or ``break`` (measured with wp.Tape: the statements before it get no adjoint), so a row loop with
+    ``continue`` had silently wrong gradients for such rows.
+    """
 
-    return not any(returns_in_loops(stmt, False) for stmt in body)
+    def has_return(node: ast.AST) -> bool:
+        return any(isinstance(n, ast.Return) for n in ast.walk(node))
 
+    def always_returns(stmts: list[ast.stmt]) -> bool:
+        last = stmts[-1] if stmts else None
+        return isinstance(last, ast.Return) or (
+            isinstance(last, ast.If) and always_returns(last.body) and always_returns(last.orelse))
 
-class _ReturnToContinue(ast.NodeTransformer):
-    """``return`` ends one thread of the kernel; in the row loop it ends one iteration."""
+    def lower(stmts: list[ast.stmt]) -> list[ast.stmt] | None:
+        out: list[ast.stmt] = []
+        for k, stmt in enumerate(stmts):
+            if isinstance(stmt, ast.Return):
+                return out if stmt.value is None else None
+            if not has_return(stmt):
+                out.append(stmt)
+                continue
+            if not isinstance(stmt, ast.If):
+                return None  # a return inside a loop (or another compound statement)
+            then, other = lower(stmt.body), lower(stmt.orelse)
+            if then is None or other is None:
+                return None
+            rest = stmts[k + 1:]
+            if always_returns(stmt.body) and not always_returns(stmt.orelse):
+                other = lower([*stmt.orelse, *rest])
+            elif always_returns(stmt.orelse) and not always_returns(stmt.body):
+                then = lower([*stmt.body, *rest])
+            elif not always_returns(stmt.body):
+                return None  # a return on some paths of both branches
+            if then is None or other is None:
+                return None
+            out.append(ast.copy_location(ast.If(test=stmt.test, body=then or [ast.Pass()], orelse=other), stmt))
+            return out
+        return out
 
-    def visit_Return(self, node: ast.Return):
-        return ast.copy_location(ast.Continue(), node)
-
-
-def _stub_function(original, name: str, params: list[str]):
-    """A Python function named ``name`` taking ``params``, with ``original``'s globals and closure cells, so
-    Warp resolves every name of the generated source as it resolves the original kernel's (plus ``warpnn_wp``)."""
-    # A kernel generated from a generated one (the batched twin of a reordered kernel) already has warpnn_wp.
-    freevars = tuple(n for n in original.__code__.co_freevars if n != f"{BATCH_PREFIX}wp")
-    inner_refs = "; ".join((*freevars, f"{BATCH_PREFIX}wp")) or "pass"
-    factory_src = (
-        f"def _factory({', '.join((*freevars, BATCH_PREFIX + 'wp'))}):\n"
-        f"    def {name}({', '.join(params)}):\n"
-        f"        {inner_refs}\n"
-        f"    return {name}\n"
-    )
-    namespace: dict[str, Any] = {}
-    exec(compile(factory_src, f"<warpnn kernel generated from {original.__qualname__}>", "exec"), namespace)  # noqa: S102
-    stub = namespace["_factory"](*([None] * (len(freevars) + 1)))
-    cells = dict(zip(original.__code__.co_freevars, original.__closure__ or ()))
-    cells[f"{BATCH_PREFIX}wp"] = types.CellType(wp)
-    closure = tuple(cells[n] for n in stub.__code__.co_freevars)
-    func = types.FunctionType(stub.__code__, original.__globals__, name, None, closure)
-    func.__module__ = original.__module__
-    func.__qualname__ = name
-    return func
+    return lower(body)
 
 
 # --------------------------------------------------------------------------------------------------

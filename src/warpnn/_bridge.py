@@ -17,8 +17,9 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _checked, _cuda_graphs, _measured, _pruned, _sharding, _spread
+from . import _checked, _cuda_graphs, _measured, _pruned, _sharding, _spread, _twins
 from . import _warp_compat as wc
+from ._access import codegen_access
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
 
@@ -340,7 +341,8 @@ def jax_kernel(
             on the devices the call is traced for, ``ALL_DEVICES`` on every device JAX and Warp share too,
             ``NONE`` defers loading to the launcher (which still loads before the first execution).
         enable_backward: ``True`` (default; Warp's default is False) builds the adjoint; ``False``: forward
-            only, differentiating is an error.
+            only, differentiating is an error. A kernel compiled without an adjoint (``enable_backward=False``
+            on the kernel or its module) is differentiated through a twin warpnn builds with one.
         has_side_effect: keep the call even when its results are unused.
         block_dim: threads per block, for tile kernels (launch over the tile grid times ``block_dim``, as
             ``wp.launch`` with ``block_dim``); default: 256 on CUDA, 1 on the CPU. On the CPU values above one
@@ -862,11 +864,10 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         raise TypeError(REVERSE_PROBLEM_MESSAGE.format(key=sig.key, problems="; ".join(reasons))
                         + (IN_PLACE_ADVICE if in_place else "") + (LOOP_ADVICE if sig.loop_problems else ""))
     if not sig.has_adjoint:
-        raise TypeError(
-            f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "
-            "module), so it cannot be differentiated. Remove enable_backward=False, or keep its inputs out of "
-            "the gradient with jax.lax.stop_gradient if you only need its forward pass."
-        )
+        # Compiled without an adjoint (enable_backward=False on the kernel or its module, as mujoco_warp builds
+        # most of its modules): the adjoint comes from a twin of the same source built with one (_twins.py).
+        plan = dataclasses.replace(plan, sig=_with_rebuilt_adjoint(sig))
+        sig = plan.sig
     # A kernel that measures an array after using it gets its adjoint from a twin that measures first: Warp's
     # adjoint of x.shape resets the shape of x's adjoint, which unwraps negative indices (_measured.py).
     plan = dataclasses.replace(plan, sig=_measured.measured_first(sig))
@@ -917,6 +918,23 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         by_name[name] = by_name[name] + by_name[_spread.spread_name(name)].sum(axis=0)
     constant = sig.constant_inputs
     return tuple(None if spec.name in constant else by_name.get(spec.name) for spec in differentiated)
+
+
+def _with_rebuilt_adjoint(sig: KernelSignature) -> KernelSignature:
+    """``sig`` launching, for its adjoint, the twin of its kernel that Warp builds with an adjoint."""
+    rebuilt = sig.__dict__.get("_rebuilt")
+    if rebuilt is None:
+        twin = _twins.with_adjoint(sig.kernel)
+        if codegen_access(twin) is None:
+            raise TypeError(
+                f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "
+                "module), and Warp cannot generate one for it (its code generator fails on the kernel built with "
+                "enable_backward=True), so it cannot be differentiated. Keep its inputs out of the gradient with "
+                "jax.lax.stop_gradient if you only need its forward pass."
+            )
+        # (a base of its own: its variants, e.g. adjoints in place, must keep the twin)
+        rebuilt = sig.__dict__["_rebuilt"] = dataclasses.replace(sig, kernel=twin)
+    return rebuilt
 
 
 _differentiable_call.defvjp(_differentiable_call_fwd, _differentiable_call_bwd, symbolic_zeros=True)

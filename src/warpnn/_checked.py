@@ -53,6 +53,7 @@ from . import _settings
 from ._batched import call_target
 from ._access import ArrayUse
 from ._signature import KernelSignature, Struct, _arg_spec
+from ._twins import twin_of
 
 CHECK_ENV = "WARPNN_CHECK"
 RECORD_NAME = "_warpnn_violation"
@@ -643,10 +644,8 @@ def _build(kernel) -> CheckedKernel:
     variant.__qualname__, variant.__module__ = func.__qualname__, func.__module__
     # Warp's module hash covers the kernel's source, not what a code transformer made of it: name the module
     # after this file's contents, so that a changed transform never loads a stale cached build.
-    module = wp.get_module(f"warpnn_checked_{_TRANSFORM_VERSION}.{kernel.module.name}.{kernel.key}")
-    module.options.update(kernel.module.options)
-    checked = wp.Kernel(variant, key=f"{kernel.key}__checked", module=module, options=dict(kernel.options),
-                        code_transformers=[guard], source=kernel.adj.source)  # the kernel's (it may be generated)
+    checked = twin_of(kernel, f"warpnn_checked_{_TRANSFORM_VERSION}", key=f"{kernel.key}__checked", func=variant,
+                      code_transformers=[guard])
     if guard.unguarded:
         warnings.warn(
             f"warpnn checked mode: kernel '{kernel.key}' has array accesses checked mode does not guard (arrays "

@@ -26,6 +26,7 @@ import functools
 import warp as wp
 
 from . import _batched
+from . import _twins
 from . import _warp_compat as wc
 from ._signature import KernelSignature, signature_of
 
@@ -100,5 +101,5 @@ def _measuring_twin(kernel):
     lines = lambda stmts: ast.unparse(ast.Module(body=stmts, type_ignores=[])).splitlines()  # noqa: E731
     source = "\n".join([f"def {name}({', '.join(arg_types)}):",
                         *("    " + line for line in [*lines(docstring), *prologue, *lines(body[len(docstring):])])])
-    return _batched._kernel_from_source(kernel, source + "\n", name, dict(arg_types), key=f"{kernel.key}{_SUFFIX}",
+    return _twins.kernel_from_source(kernel, source + "\n", name, dict(arg_types), key=f"{kernel.key}{_SUFFIX}",
                                         kind="warpnn_measured")

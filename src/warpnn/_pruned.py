@@ -15,10 +15,10 @@ import ast
 import dataclasses
 import functools
 
-import warp as wp
 
 from ._access import _ACCUMULATE_BUILTINS, _READ_WRITE_BUILTINS, _STORE_BUILTINS, _callee_name
 from ._signature import KernelSignature
+from ._twins import twin_of
 
 _WRITING_BUILTINS = _ACCUMULATE_BUILTINS | _READ_WRITE_BUILTINS | _STORE_BUILTINS
 
@@ -93,12 +93,9 @@ class _DropOutputs(ast.NodeTransformer):
 
 @functools.cache
 def _pruned_kernel(kernel, names: frozenset[str]):
-    module = wp.get_module(f"warpnn_pruned.{kernel.module.name}.{kernel.key}.{'_'.join(sorted(names))}")
-    module.options.update(kernel.module.options)
-    transformer = _DropOutputs(names, kernel.func.__globals__)
-    return wp.Kernel(kernel.func, key=f"{kernel.key}__without_{'_'.join(sorted(names))}", module=module,
-                     options=dict(kernel.options), code_transformers=[transformer],
-                     source=kernel.adj.source)  # the source the kernel was built from (it may be generated)
+    without = "_".join(sorted(names))
+    return twin_of(kernel, f"warpnn_pruned_{without}", key=f"{kernel.key}__without_{without}",
+                   code_transformers=[_DropOutputs(names, kernel.func.__globals__)])
 
 
 def without_outputs(sig: KernelSignature, names: frozenset[str]) -> KernelSignature:

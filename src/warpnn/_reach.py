@@ -32,6 +32,7 @@ import numpy as np
 import warp as wp
 
 from . import _batched
+from . import _twins
 from . import _warp_compat as wc
 from ._access import _names_visible_to
 from ._signature import KernelSignature, _bindings, _first_coordinate, _first_index
@@ -175,13 +176,13 @@ def _probe_of(kernel) -> _Probe | None:
             columns[name] = tuple(leads.index(lead) for lead in found)
     if not columns:
         return None
-    body = [f"{first} = {_batched.BATCH_PREFIX}wp.tid()", *(ast.unparse(s) for s in statements),
-            *(f"{_PREFIX}out[{first}, {k}] = {_batched.BATCH_PREFIX}wp.int32({lead})" for k, lead in enumerate(leads))]
+    body = [f"{first} = {_twins.WP_NAME}.tid()", *(ast.unparse(s) for s in statements),
+            *(f"{_PREFIX}out[{first}, {k}] = {_twins.WP_NAME}.int32({lead})" for k, lead in enumerate(leads))]
     annotations = {**arg_types, f"{_PREFIX}out": wp.array2d(dtype=wp.int32)}
     name = f"{fn.name}__wnreach"
     source = "\n".join([f"def {name}({', '.join(annotations)}):", *("    " + line for line in body)]) + "\n"
     try:
-        probe = _batched._kernel_from_source(kernel, source, name, annotations, key=f"{kernel.key}__wnreach",
+        probe = _twins.kernel_from_source(kernel, source, name, annotations, key=f"{kernel.key}__wnreach",
                                              kind="warpnn_reach")
     except Exception:  # noqa: BLE001 - no probe: whole partial buffers
         return None

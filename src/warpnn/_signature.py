@@ -17,7 +17,8 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
-from ._access import ArrayUse, _fully_written, analyse_array_uses, codegen_facts, warp_builds_adjoint
+from ._access import (ArrayUse, _fully_written, analyse_array_uses, codegen_facts, values_only_refill_integer_arrays,
+                      warp_builds_adjoint)
 from warp._src.codegen import Struct
 
 
@@ -174,8 +175,12 @@ class KernelSignature:
         written in place (``ArrayUse.in_place_problem``), and float arrays with an adjoint whose shape or pointer
         Warp's adjoint resets before it is done with them (``ArrayUse.adjoint_reset``: negative indices then write
         before the buffer, or additions are lost)."""
+        integers = frozenset(s.name for s in (*self.in_out, *self.outputs) if s.is_array and not s.is_float)
         problems = {s.name: problem for s in (*self.in_out, *self.outputs)
-                    if (problem := self.uses[s.name].in_place_problem()) is not None}
+                    if (problem := self.uses[s.name].in_place_problem()) is not None
+                    and not (s.name in integers and self.uses[s.name].undecided is None
+                             and not any(a.kind == "read-write" or a.via for a in self.uses[s.name].accesses)
+                             and values_only_refill_integer_arrays(self.kernel.adj.tree, s.name, integers))}
         for s in (*self.adjoint_inputs, *self.float_results):
             where = self.uses[s.name].adjoint_reset
             if where is not None and s.name not in problems:

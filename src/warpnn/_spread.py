@@ -26,7 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _batched, _settings
+from . import _batched, _settings, _twins
 from ._access import _callee_name
 from ._signature import KernelSignature, signature_of
 
@@ -258,7 +258,7 @@ def _spread_kernel(kernel, names: tuple[str, ...], outputs: tuple[str, ...], n_p
     # it moves the pattern, so that a launch whose last dim is short still uses many slots.
     slots = f"{_PREFIX}slots"
     slot = f"{coords[-1]} % {slots}" if kernel_dim == 1 else f"({coords[-1]} + 33 * ({coords[-2]} % {slots})) % {slots}"
-    prologue = [f"{', '.join(coords)} = {_batched.BATCH_PREFIX}wp.tid()",
+    prologue = [f"{', '.join(coords)} = {_twins.WP_NAME}.tid()",
                 f"{slots} = {spread_name((*names, *outputs)[0])}.shape[0]", f"{_PREFIX}slot = {slot}"]
     ndims = {n: arg_types[n].ndim for n in outputs}
     body = [_SpreadAccumulations(outputs, ndims).visit(_SpreadReads(names).visit(stmt)) for stmt in fn.body]
@@ -267,7 +267,7 @@ def _spread_kernel(kernel, names: tuple[str, ...], outputs: tuple[str, ...], n_p
                         *("    " + line for line in ast.unparse(ast.Module(body=body, type_ignores=[])).splitlines())])
     # One module per set of names: a second kernel added to a loaded module would rebuild it and unload the first.
     tag = ".".join((*names, *(f"out.{n}" for n in outputs)))
-    return _batched._kernel_from_source(kernel, source + "\n", name, annotations,
+    return _twins.kernel_from_source(kernel, source + "\n", name, annotations,
                                         key=f"{kernel.key}{_SUFFIX}_{tag.replace('.', '_')}",
                                         kind=f"warpnn_spread.{tag}")
 

@@ -1,0 +1,97 @@
+"""The twins' one builder: a Warp kernel made from another for warpnn's own use, in a module of its own.
+
+Every variant warpnn launches in place of a user's kernel is built here: the batched and row-loop twins, the
+measured-first, spread, reordered and merged kernels (``_batched``, ``_measured``, ``_spread``, ``_reach``:
+generated source), and the twins that keep the kernel's own code (checked mode's guarded kernel, the pruned
+adjoint, the rebuilt adjoint). One rule for all of them: a twin lives in a module named after its kind and its
+kernel, never in the kernel's own module (adding a kernel there would make Warp rebuild the module and unload
+the code already loaded), and inherits the kernel's and its module's options, less what the kind changes.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import Any
+
+import warp as wp
+
+from ._access import warp_builds_adjoint
+
+WP_NAME = "warpnn_wp"  # the name generated source uses for the warp module (a user's kernel may shadow `wp`)
+
+
+def twin_module(kernel, kind: str, *, module_options: dict | None = None):
+    """The module of ``kernel``'s twin of ``kind``: its own, named after both, with the kernel's module's options
+    (and ``module_options`` over them)."""
+    module = wp.get_module(f"{kind}.{kernel.module.name}.{kernel.key}")
+    module.options.update({k: v for k, v in kernel.module.options.items() if k in module.options})
+    module.options.update(module_options or {})
+    return module
+
+
+def twin_of(kernel, kind: str, *, key: str, func=None, code_transformers=(), module_options: dict | None = None,
+            options: dict | None = None):
+    """A twin running ``kernel``'s own source (``func``: the Python function whose signature it takes, default the
+    kernel's), rewritten by ``code_transformers``, with the kernel's options (``options`` over them)."""
+    return wp.Kernel(func or kernel.func, key=key, module=twin_module(kernel, kind, module_options=module_options),
+                     options={**kernel.options, **(options or {})}, code_transformers=list(code_transformers),
+                     source=kernel.adj.source)  # the source the kernel was built from (it may be generated)
+
+
+def kernel_from_source(kernel, source: str, name: str, annotations: dict, key: str, kind: str):
+    """A twin built from ``source`` (a function ``name`` whose parameters are ``annotations``' keys, in order),
+    resolving names as ``kernel`` does (plus ``warpnn_wp``), with ``kernel``'s options."""
+    func = _stub_function(kernel.func, name, list(annotations))
+    func.__annotations__ = dict(annotations)
+    return wp.Kernel(func, key=key, module=twin_module(kernel, kind), options=dict(kernel.options), source=source)
+
+
+def _stub_function(original, name: str, params: list[str]):
+    """A Python function named ``name`` taking ``params``, with ``original``'s globals and closure cells, so
+    Warp resolves every name of the generated source as it resolves the original kernel's (plus ``warpnn_wp``)."""
+    # A kernel generated from a generated one (the batched twin of a reordered kernel) already has warpnn_wp.
+    freevars = tuple(n for n in original.__code__.co_freevars if n != WP_NAME)
+    inner_refs = "; ".join((*freevars, WP_NAME)) or "pass"
+    factory_src = (
+        f"def _factory({', '.join((*freevars, WP_NAME))}):\n"
+        f"    def {name}({', '.join(params)}):\n"
+        f"        {inner_refs}\n"
+        f"    return {name}\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(factory_src, f"<warpnn kernel generated from {original.__qualname__}>", "exec"), namespace)  # noqa: S102
+    stub = namespace["_factory"](*([None] * (len(freevars) + 1)))
+    cells = dict(zip(original.__code__.co_freevars, original.__closure__ or ()))
+    cells[WP_NAME] = types.CellType(wp)
+    closure = tuple(cells[n] for n in stub.__code__.co_freevars)
+    func = types.FunctionType(stub.__code__, original.__globals__, name, None, closure)
+    func.__module__ = original.__module__
+    func.__qualname__ = name
+    return func
+
+
+# --------------------------------------------------------------------------------------------------
+# The rebuilt adjoint
+#
+# A kernel compiled with enable_backward=False (on itself or its module: mujoco_warp builds 25 of its modules so)
+# has no adjoint in its module. Its twin with the same source and enable_backward=True has Warp's adjoint of the
+# same forward code; the forward keeps launching the kernel itself. Whether that adjoint is right is decided as
+# for any kernel (the access facts and the loop facts of the same source), and a twin Warp cannot generate or
+# compile is an error naming the kernel.
+
+_REBUILT: dict[int, tuple[Any, Any]] = {}
+_REBUILT_LOCK = threading.Lock()
+
+
+def with_adjoint(kernel):
+    """``kernel`` itself when Warp builds its adjoint, else its twin built with one (cached per kernel)."""
+    if warp_builds_adjoint(kernel):
+        return kernel
+    with _REBUILT_LOCK:
+        cached = _REBUILT.get(id(kernel))
+        if cached is None or cached[0] is not kernel:
+            twin = twin_of(kernel, "warpnn_adjoint", key=kernel.key, module_options={"enable_backward": True},
+                           options={"enable_backward": True})
+            cached = _REBUILT[id(kernel)] = (kernel, twin)
+        return cached[1]
