@@ -315,6 +315,18 @@ def loop_values_of_one_iteration(x: wp.array2d(dtype=float), n: int, out: wp.arr
     out[t] = s + r + last_big  # a sum stored: its adjoint does not read r or last_big
 
 
+@wp.kernel
+def loop_value_set_in_a_branch(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    w = float(0.0)
+    for i in range(n):
+        if x[t, i] > 1.0:
+            w = 2.0 * x[t, i]  # set in the branch that reads it (the point cloud kernel's neighbour weight)
+            s += w * w
+    out[t] = s
+
+
 @wp.func
 def product_of_row(x: wp.array2d(dtype=float), t: int, n: int):
     p = float(1.0)
@@ -480,6 +492,7 @@ LOOPS_WARP_GETS_RIGHT = {
     loop_sum_of_squares: lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 0.0), 1),
     loop_nested_sum: lambda x: jnp.sum(x, 1) ** 2 - x[:, 0],
     loop_constant_range_norm: lambda x: jnp.sqrt(_square_sum(x)),
+    loop_value_set_in_a_branch: lambda x: jnp.sum(jnp.where(x > 1.0, 4.0 * x * x, 0.0), 1),
     loop_constant_range_continue: lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 2.0 * x), 1),
     loop_values_of_one_iteration: lambda x: jnp.sum(4.0 * x**4, 1) + 2.0 * x[:, -1] ** 2 + _last_big(x),
 }

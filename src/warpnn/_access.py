@@ -729,8 +729,8 @@ def _loop_problem(loop: ast.AST, changed: dict[str, Any], adj) -> str | None:
     """Why Warp's adjoint of ``loop`` (a dynamic ``for`` or a ``while`` of the function ``adj`` builds) would be
     wrong, given the variables it changes and their Warp types, or None when it is right.
 
-    Right means, for a ``for`` loop: in the body, each changed variable is read only after an unconditional
-    assignment at the top of the body (a value of the same iteration, which the adjoint's replay of the iteration
+    Right means, for a ``for`` loop: in the body, each changed variable is read only after an assignment earlier
+    in a block that holds the read (a value of the same iteration, which the adjoint's replay of the iteration
     computes again) or as the running value of its own sum (``v += e``, ``v = v + e``, ``v -= e``, every
     assignment of it in that form: the adjoint of an addition does not depend on the running value); after the
     loop, each changed variable only flows, through additions, into an array store, ``+=`` into an array,
@@ -848,13 +848,12 @@ def _side_effect(loop: ast.AST, adj, offset: int) -> str | None:
 
 def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
     """None when each iteration of ``loop`` that Warp's adjoint replays computes with ``sym`` what the forward pass
-    did: every read of it in the body follows an unconditional assignment at the top of the body (a value of this
-    iteration), is inside an inner ``for`` that sets it, or is the running value of ``sym += e`` / ``sym = sym + e``
+    did: every read of it in the body follows an assignment earlier in a block that holds the read (a value of
+    this iteration), is inside an inner ``for`` that sets it, or is the running value of ``sym += e`` / ``sym = sym + e``
     / ``sym -= e`` / ``sym = e + sym`` when every assignment of it in the loop has that form (the adjoint of a sum
     does not depend on its running value). Else the read, as a phrase."""
     body = list(loop.body)
     parents = _parents(ast.Module(body=body, type_ignores=[]))
-    top = {id(n): k for k, statement in enumerate(body) for n in ast.walk(statement)}
     assignments, running_reads = 0, set()
     for node in ast.walk(ast.Module(body=body, type_ignores=[])):
         if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == sym:
@@ -873,7 +872,18 @@ def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
                     and isinstance(value.op, ast.Add):
                 running_reads.add(id(value.right))
     accumulates = assignments == len(running_reads)
-    set_at_top = next((k for k, statement in enumerate(body) if _assigns_name(statement, sym)), None)
+    def set_earlier_in_its_block(node: ast.AST) -> bool:
+        """Whether a statement before the read, in a block that holds it (up to the loop's body), sets ``sym``."""
+        child = node
+        while id(child) in parents:
+            parent = parents[id(child)]
+            for block in (getattr(parent, "body", None), getattr(parent, "orelse", None)):
+                if isinstance(block, list) and any(s is child for s in block):
+                    k = next(i for i, s in enumerate(block) if s is child)
+                    if any(_assigns_name(s, sym) for s in block[:k]):
+                        return True
+            child = parent
+        return False
 
     def set_by_inner_for(node: ast.AST) -> bool:
         while id(node) in parents:
@@ -888,7 +898,7 @@ def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
         if not reads:
             continue
         read = node.target if isinstance(node, ast.AugAssign) else node
-        if set_at_top is not None and top[id(node)] > set_at_top or set_by_inner_for(node) \
+        if set_earlier_in_its_block(node) or set_by_inner_for(node) \
                 or accumulates and id(read) in running_reads:
             continue
         return f"and line {offset + node.lineno} reads the value an earlier iteration left in it"
