@@ -264,9 +264,11 @@ def test_replay_buffers_under_vmap_and_both_launchers(launcher):
 
 
 # --------------------------------------------------------------------------------------------------
-# Dynamic loops: Warp's adjoint does not run a dynamic loop again before its reverse pass, so a value the loop
-# changes is seen, after the loop and inside its reverse pass, as it was before the loop. Reverse mode takes the
-# loops whose adjoint does not depend on those values and refuses the others, naming the loop.
+# Where Warp's own adjoint is silently wrong. Warp's adjoint does not run a dynamic loop again before its reverse
+# pass, so a value the loop changes is seen, after the loop and inside its reverse pass, as it was before the
+# loop; an iteration that leaves early loses its adjoint; a builtin Warp has no adjoint for gives zero. Reverse
+# mode takes the loops whose adjoint does not depend on those values and refuses the others, naming the place;
+# each refusal here comes with the evidence (wp.Tape's gradient differs from the pure-JAX reference).
 
 
 @wp.kernel
@@ -408,6 +410,28 @@ def loop_stops_with_break(x: wp.array2d(dtype=float), n: int, out: wp.array2d(dt
 
 
 @wp.kernel
+def loop_sum_scaled_in_place(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    s = float(0.0)
+    for i in range(n):
+        s += x[t, i] * x[t, i]
+    s *= x[t, 0]  # reads s after the loop (mujoco_warp's `com /= mass`)
+    out[t] = s
+
+
+@wp.kernel
+def through_frac(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    out[t] = wp.frac(3.0 * x[t, 0]) + x[t, n - 1]  # Warp has no adjoint for frac: d/dx[t, 0] would be 0
+
+
+@wp.kernel
+def tile_row_max(x: wp.array2d(dtype=float), out: wp.array(dtype=float)):
+    i = wp.tid()
+    wp.tile_store(out, wp.tile_max(wp.tile_load(x[i], shape=4)), offset=i)  # no adjoint for tile_max either
+
+
+@wp.kernel
 def loop_norm(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
     t = wp.tid()
     s = float(0.0)
@@ -488,7 +512,7 @@ def _squares_of_last_big_doubled(row):
     return jax.lax.scan(step, (0.0, 0.0), row)[0][1]
 
 
-LOOPS_WARP_GETS_RIGHT = {
+WARP_ADJOINT_RIGHT = {
     loop_sum_of_squares: lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 0.0), 1),
     loop_nested_sum: lambda x: jnp.sum(x, 1) ** 2 - x[:, 0],
     loop_constant_range_norm: lambda x: jnp.sqrt(_square_sum(x)),
@@ -496,7 +520,7 @@ LOOPS_WARP_GETS_RIGHT = {
     loop_constant_range_continue: lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 2.0 * x), 1),
     loop_values_of_one_iteration: lambda x: jnp.sum(4.0 * x**4, 1) + 2.0 * x[:, -1] ** 2 + _last_big(x),
 }
-LOOPS_WARP_GETS_WRONG = {  # kernel: (pure-JAX reference, what the refusal names)
+WARP_ADJOINT_WRONG = {  # kernel: (pure-JAX reference, what the refusal names)
     loop_norm: (lambda x: jnp.sqrt(_square_sum(x)), "changes 's' and line"),
     loop_running_product: (lambda x: jnp.prod(x, 1), "reads the value an earlier iteration left in it"),
     loop_two_sums_multiplied: (lambda x: _square_sum(x) * jnp.sum(2.0 * x, 1), "changes 'q'"),
@@ -504,6 +528,8 @@ LOOPS_WARP_GETS_WRONG = {  # kernel: (pure-JAX reference, what the refusal names
     loop_flag_guards_the_store: (lambda x: jnp.where(jnp.any(x > 1.0, 1), _square_sum(x), 0.0), "changes 'found'"),
     while_sum: (_square_sum, "the while loop at line"),
     loop_in_a_func: (lambda x: jnp.prod(x, 1), "in @wp.func 'product_of_row'"),
+    loop_sum_scaled_in_place: (lambda x: _square_sum(x) * x[:, 0], "changes 's' and line"),
+    through_frac: (lambda x: jnp.mod(3.0 * x[:, 0], 1.0) + x[:, -1], "calls wp.frac (line"),
     loop_skips_with_continue: (lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 2.0 * x), 1), "leaves an iteration early"),
     loop_reads_an_earlier_iteration: (lambda x: jax.vmap(_squares_of_last_big_doubled)(x), "changes 'v' and line"),
 }
@@ -525,9 +551,9 @@ def _loop_tape_grad(kernel):
     return xw.grad.numpy()
 
 
-@pytest.mark.parametrize("kernel", list(LOOPS_WARP_GETS_RIGHT), ids=lambda k: k.key)
+@pytest.mark.parametrize("kernel", list(WARP_ADJOINT_RIGHT), ids=lambda k: k.key)
 def test_loops_whose_adjoint_is_right_differentiate(kernel):
-    ref = LOOPS_WARP_GETS_RIGHT[kernel]
+    ref = WARP_ADJOINT_RIGHT[kernel]
     x = jnp.asarray(_LOOP_X)
     want = jax.grad(lambda x: ref(x).sum())(x)
     assert_close(jax.jit(jax.grad(lambda x: _loop_call(kernel)(x).sum()))(x), want)
@@ -539,25 +565,32 @@ def test_a_loop_under_a_custom_gradient_is_not_judged():
     adjoint of its loop: the loop is no reason to refuse (mujoco_warp and Newton write such functions)."""
     from warpnn._access import codegen_facts
 
-    assert codegen_facts(loop_in_a_func_with_its_own_gradient).loop_problems == ()
-    assert codegen_facts(loop_in_a_func).loop_problems != ()
+    assert codegen_facts(loop_in_a_func_with_its_own_gradient).adjoint_problems == ()
+    assert codegen_facts(loop_in_a_func).adjoint_problems != ()
     assert_close(_loop_tape_grad(loop_in_a_func_with_its_own_gradient),
                  jax.grad(lambda x: jnp.prod(x, 1).sum())(jnp.asarray(_LOOP_X)))
 
 
-@pytest.mark.parametrize("kernel", list(LOOPS_WARP_GETS_WRONG), ids=lambda k: k.key)
-def test_loops_whose_adjoint_is_wrong_are_refused_naming_the_loop(kernel):
-    ref, named = LOOPS_WARP_GETS_WRONG[kernel]
+@pytest.mark.parametrize("kernel", list(WARP_ADJOINT_WRONG), ids=lambda k: k.key)
+def test_kernels_whose_warp_adjoint_is_wrong_are_refused_naming_the_place(kernel):
+    ref, named = WARP_ADJOINT_WRONG[kernel]
     x = jnp.asarray(_LOOP_X)
     call = _loop_call(kernel)
     assert_close(call(x), ref(x))  # the forward pass is right and stays available
     with pytest.raises(TypeError, match=f"Kernel '{kernel.key}' cannot be differentiated") as refusal:
         jax.grad(lambda x: call(x).sum())(x)
-    assert named in str(refusal.value) and "Warp's adjoint" in str(refusal.value)
+    assert named in str(refusal.value) and ("Warp's adjoint" in str(refusal.value) or "no adjoint" in str(refusal.value))
     # the evidence that refusing is right: Warp's own tape gets this gradient wrong
     want = np.asarray(jax.grad(lambda x: ref(x).sum())(x))
     got = _loop_tape_grad(kernel)
     assert not np.allclose(got, want, rtol=1e-3, atol=1e-3), (got, want)
+
+
+def test_a_tile_builtin_without_adjoint_is_a_problem_of_the_kernel():
+    from warpnn._access import codegen_facts
+
+    problems = codegen_facts(tile_row_max).adjoint_problems
+    assert len(problems) == 1 and "calls wp.tile_max" in problems[0], problems
 
 
 def test_a_loop_that_breaks_is_refused():

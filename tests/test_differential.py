@@ -5,16 +5,18 @@ A program is traced (warpnn.trace), then replayed once outside jit with each lau
 (``WarpProgram._replay(on_launch=...)``): real kernels with real inputs. For each launch:
 
 * forward: ``warpnn.jax_kernel`` against ``wp.launch`` (equal to 1e-5);
-* reverse: ``jax.vjp`` against ``wp.Tape`` with the same random cotangents (1e-4 relative), wherever warpnn
-  differentiates the kernel; where it refuses, the refusal must be a TypeError naming the kernel (never zeros);
+* reverse: ``jax.vjp`` against ``wp.Tape`` with the same random cotangents (1e-4 relative), and the directional
+  derivative along a random direction against central differences (2e-2), wherever warpnn differentiates the
+  kernel; where it refuses, the refusal must be a TypeError naming the kernel (never zeros);
 * vmap: two perturbed copies batched against two calls.
 
 Each kernel is checked at its first launch. A mismatch is a failure: a silently wrong result. A kernel compiled
 without an adjoint (mujoco_warp builds most so) is differentiated by warpnn through its twin built with one, and
 wp.Tape runs that same twin. Measured 2026-12-04 on the CPU (kernels; vmap compared; reverse compared against
-wp.Tape; reverse refused with the kernel named): Newton SemiImplicit cloth 6; 6; 6; 0. Newton Featherstone chain
-14; 14; 7; 7. MuJoCo Warp box on a plane 57; 54; 27; 26 (the arm: 58; 55; 31; 23). 0 mismatches. This test found
-the row-loop twin's lost adjoints (mujoco_warp's `_cfrc`: a store before a `return`). The whole programs
+wp.Tape and central differences; reverse refused with the kernel named): Newton SemiImplicit cloth 6; 6; 6; 0.
+Newton Featherstone chain 14; 14; 7; 7. MuJoCo Warp box on a plane 57; 54; 25; 28 (the arm: 58; 55; 29; 25).
+0 mismatches. This test found the row-loop twin's lost adjoints (mujoco_warp's `_cfrc`: a store before a
+`return`) and, through central differences, builtins Warp has no adjoint for (`tile_cholesky_solve`). The whole programs
 (rollouts against the libraries' own loops) are in test_models_newton.py and test_models_mujoco.py.
 """
 
@@ -50,6 +52,12 @@ def _warp_value(value, ndim_of, requires_grad):
 def _rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(1.0, np.abs(b).max())) if a.size else 0.0
+
+
+# Inputs at a point where the kernel branches on their value, left out of the finite-difference direction: at
+# gravcomp = 0 mujoco_warp's `if gravcomp:` skips a force linear in gravcomp, so the difference quotient sees
+# the slope of the other branch; Warp's adjoint, like jax.grad of jnp.where, takes the branch taken.
+AT_A_BRANCH_POINT = {("_gravity_force__locals__kernel", "body_gravcomp")}
 
 
 def check_launch(record, args, rng, counts: collections.Counter, failures: list) -> None:
@@ -139,6 +147,18 @@ def check_launch(record, args, rng, counts: collections.Counter, failures: list)
         err = _rel(g, by_name[name].grad.numpy().reshape(np.shape(g)))
         if err > 1e-4:
             failures.append((kernel.key, f"d/d'{name}' vs wp.Tape", err))
+    # ... and against central differences along a random direction: wp.Tape runs Warp's same adjoint, so only this
+    # sees where that adjoint itself is wrong (a builtin without one, a loop it replays wrongly).
+    x = [jnp.asarray(args[k]) for k in floats]
+    v = [jnp.asarray(rng.normal(size=xi.shape), xi.dtype) * (jnp.abs(xi) + 1e-2)
+         * (0.0 if (kernel.key, params[k].label) in AT_A_BRANCH_POINT else 1.0) for xi, k in zip(x, floats)]
+    slope = float(sum((gi * vi).sum() for gi, vi in zip(grads, v)))
+    quotients = [float((loss(*[xi + eps * vi for xi, vi in zip(x, v)]) - loss(*[xi - eps * vi for xi, vi in zip(x, v)]))
+                       / (2 * eps)) for eps in (1e-2, 3e-3, 1e-3)]
+    err = min(abs(q - slope) / max(abs(q), abs(slope), 1e-3) for q in quotients)
+    counts["reverse compared with finite differences"] += 1
+    if err > 2e-2:
+        failures.append((kernel.key, "directional derivative vs central differences", slope, quotients))
 
 
 def run_program(program, inputs, limit=None):

@@ -545,12 +545,13 @@ class CodegenFacts:
     """What Warp's code generator finds when it builds a kernel's forward and adjoint code.
 
     ``access``: ``{parameter: (read, written)}`` for the array parameters (None where Warp cannot generate the
-    kernel: its launch then reports why). ``loop_problems``: why Warp's adjoint of a dynamic loop of the kernel
-    (or of a ``@wp.func`` it calls) would be wrong, one reason per loop (``_loop_problem``).
+    kernel: its launch then reports why). ``adjoint_problems``: why Warp's adjoint of the kernel (or of a
+    ``@wp.func`` whose generated adjoint it uses) would be silently wrong, one reason per place: a dynamic loop
+    (``_loop_problem``, ``_early_exit_problem``) or a call Warp has no adjoint for (``_adjointless_call_problem``).
     """
 
     access: dict[str, tuple[bool, bool]] | None
-    loop_problems: tuple[str, ...] = ()
+    adjoint_problems: tuple[str, ...] = ()
 
 
 _CODEGEN_FACTS: dict[int, tuple[Any, CodegenFacts]] = {}
@@ -694,13 +695,83 @@ class _LoopWatch:
                     watch._problems.setdefault(id(adj), []).append(problem)
             return materialize(adj, symbols)
 
+        def on_add_call(adj, func, args, kwargs, type_args, min_outputs=None, return_value_used=True,
+                        arg_nodes=None, kwarg_nodes=None, return_resolved=False):
+            output, resolved, bound = add_call(adj, func, args, kwargs, type_args, min_outputs, return_value_used,
+                                               arg_nodes, kwarg_nodes, return_resolved=True)
+            if not adj.custom_reverse_mode:
+                try:
+                    values = list((bound if isinstance(bound, dict) else bound.arguments).values())
+                    problem = _adjointless_call_problem(adj, resolved, values, output)
+                except Exception as e:  # noqa: BLE001 - a call warpnn cannot judge is refused, never passed
+                    problem = (f"warpnn could not judge the call of '{getattr(resolved, 'key', resolved)}' in "
+                               f"'{adj.fun_name}' ({type(e).__name__}: {e})")
+                if problem is not None:
+                    watch._problems.setdefault(id(adj), []).append(problem)
+            return (output, resolved, bound) if return_resolved else output
+
+        add_call = adjoint_class.add_call
         visitors[ast.For], visitors[ast.While] = on_loop(emit_for), on_loop(emit_while)
         adjoint_class.materialize_redefinitions = on_materialize
+        adjoint_class.add_call = on_add_call
         try:
             yield self
         finally:
             visitors[ast.For], visitors[ast.While] = emit_for, emit_while
             adjoint_class.materialize_redefinitions = materialize
+            adjoint_class.add_call = add_call
+
+
+# Builtins Warp marks as having no adjoint whose zero derivative is the right one (piecewise constant in their
+# float arguments): calling them on differentiable values is no reason to refuse.
+_PIECEWISE_CONSTANT = {"floor", "ceil", "round", "rint", "trunc", "sign", "step", "nonzero", "floordiv", "isfinite",
+                       "isinf", "isnan"}
+
+
+# Warp's own plumbing for references, indexing and iteration: their adjoints are generated elsewhere (an array
+# read's `load` through `address`'s adjoint).
+_PLUMBING = {"load", "store", "index", "indexref", "iter_next", "range", "reversed", "slice", "tuple"}
+
+
+def _float_valued(value) -> bool:
+    """Whether a codegen value (a Var, or a Function passed as an argument) holds floats a gradient could flow in."""
+    from warp._src.codegen import Var, strip_reference
+
+    if not isinstance(value, Var):
+        return False
+    value_type = strip_reference(value.type)
+    if wp.types.is_tile(value_type):  # (a tile type is an instance of `tile`)
+        value_type = value_type.dtype
+    return _carries_gradient(value_type)
+
+
+def _adjointless_call_problem(adj, func, args: list, output) -> str | None:
+    """Why a call makes Warp's adjoint silently wrong, or None: Warp generates no reverse call for a builtin it
+    marks ``is_differentiable=False`` (``tile_cholesky_inplace``, ``tile_cholesky_solve``, ``tile_reduce``,
+    ``tile_max``, ``tile_sort``, ``frac``, ``mod``, ``select``, ...) or one handed a function without an adjoint
+    (``wp.tile_map(f, t)``), so a gradient through it is zero. Measured: mujoco_warp's Newton solver step
+    (``tile_cholesky_solve``) gave a zero gradient where finite differences give 0.09."""
+    from warp._src.context import Function
+
+    if not func.is_builtin() or func.key in _PLUMBING:
+        return None
+    callable_without_adjoint = next((a for a in args if isinstance(a, Function) and not a.is_differentiable), None)
+    if func.is_differentiable and callable_without_adjoint is None:
+        return None
+    if func.key in _PIECEWISE_CONSTANT or not any(_float_valued(a) for a in args):
+        return None
+    outputs = output if isinstance(output, (list, tuple)) else [output]
+    changes_a_tile = func.key.endswith("_inplace") or (output is None and any(
+        _float_valued(a) and wp.types.is_tile(a.type) for a in args))
+    if not changes_a_tile and not any(_float_valued(o) for o in outputs):
+        return None  # integer, boolean or query results: nothing to differentiate
+    line = getattr(adj, "lineno", None)  # (0-based within the function, as Warp's error messages count it)
+    where = f" (line {int(getattr(adj, 'fun_lineno', 0) or 0) + line})" if isinstance(line, int) else ""
+    function = f"@wp.func '{adj.fun_name}'" if getattr(adj, "is_user_function", False) else f"'{adj.fun_name}'"
+    what = (f"wp.{func.key}" if callable_without_adjoint is None
+            else f"wp.{func.key} with '{getattr(callable_without_adjoint, 'key', '?')}'")
+    return (f"{function} calls {what}{where} on differentiable values, and Warp has no adjoint for it: the "
+            "gradient through it would be zero")
 
 
 def _early_exit_problem(loop: ast.AST, adj) -> str | None:
@@ -798,7 +869,9 @@ def _loads_outside(function: ast.FunctionDef, loop: ast.AST, parents: dict[int, 
     while id(node) in parents:
         node = parents[id(node)]
         nested = nested or isinstance(node, (ast.For, ast.While))
-    return [n for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    augmented = {id(n.target) for n in ast.walk(function) if isinstance(n, ast.AugAssign)}  # `v /= m` reads v
+    return [n for n in ast.walk(function) if isinstance(n, ast.Name)
+            and (isinstance(n.ctx, ast.Load) or id(n) in augmented)
             and id(n) not in inside and (nested or n.lineno >= loop.lineno)]
 
 

@@ -49,9 +49,9 @@ NO_ADJOINT_MESSAGE = (
 
 LOOP_ADJOINT_MESSAGE = (
     "warpnn.jax_callable '{name}': kernel '{kernel}' reads arrays that have gradients, and wp.Tape's gradient "
-    "through it would be wrong: {problem}. Fix: let the loop's carried variables only accumulate (`total += "
-    "term`), unroll a short loop with a constant range, or keep the kernel's inputs out of the gradient "
-    "(jax.lax.stop_gradient on the inputs they come from)."
+    "through it would be wrong: {problem}. Fix: for a loop, let its carried variables only accumulate (`total += "
+    "term`) or unroll a short loop with a constant range; for a builtin without an adjoint, compute that step "
+    "in JAX; or keep the kernel's inputs out of the gradient (jax.lax.stop_gradient on the inputs they come from)."
 )
 
 FORWARD_MODE_MESSAGE = (
@@ -732,9 +732,9 @@ def _check_gradient_chain(name: str, tape, call_arrays) -> None:
         writes_floats = any(_is_float_array(v) and p in uses and uses[p].writes for p, v in zip(params, values))
         if differentiable and writes_floats and not warp_builds_adjoint(kernel):
             raise RuntimeError(NO_ADJOINT_MESSAGE.format(name=name, kernel=kernel.key))
-        loop_problems = codegen_facts(kernel).loop_problems if differentiable and writes_floats else ()
-        if loop_problems:
-            raise RuntimeError(LOOP_ADJOINT_MESSAGE.format(name=name, kernel=kernel.key, problem=loop_problems[0]))
+        adjoint_problems = codegen_facts(kernel).adjoint_problems if differentiable and writes_floats else ()
+        if adjoint_problems:
+            raise RuntimeError(LOOP_ADJOINT_MESSAGE.format(name=name, kernel=kernel.key, problem=adjoint_problems[0]))
         for param, value in zip(params, values):
             use = decided.get(param)
             if use is None or not _is_float_array(value) or value.requires_grad or value.ptr in passed_in or not value.ptr:

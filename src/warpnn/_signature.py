@@ -192,15 +192,15 @@ class KernelSignature:
         return problems
 
     @functools.cached_property
-    def loop_problems(self) -> tuple[str, ...]:
-        """Dynamic loops of the kernel (or of a ``@wp.func`` it calls) whose adjoint Warp would get wrong, one
-        reason each (``_access._loop_problem``): a loop that carries a value other than a running sum, or a while
-        loop with anything differentiable in it."""
-        return codegen_facts(self.kernel).loop_problems
+    def adjoint_problems(self) -> tuple[str, ...]:
+        """Where Warp's adjoint of the kernel (or of a ``@wp.func`` it calls) would be silently wrong, one reason
+        each (``_access.CodegenFacts``): dynamic loops whose adjoint depends on a carried value or that leave an
+        iteration early, while loops with anything differentiable in them, calls Warp has no adjoint for."""
+        return codegen_facts(self.kernel).adjoint_problems
 
     def reverse_refusal_reasons(self) -> list[str]:
         """Why reverse mode must refuse this kernel, one phrase per array or loop (empty: it may differentiate)."""
-        return [*(f"array '{n}': {why}" for n, why in self.reverse_problems.items()), *self.loop_problems]
+        return [*(f"array '{n}': {why}" for n, why in self.reverse_problems.items()), *self.adjoint_problems]
 
     @functools.cached_property
     def replay_buffers(self) -> tuple[ArgSpec, ...]:
