@@ -176,10 +176,11 @@ class MujocoStep:
 
         The same checks the bridge makes when a gradient reaches a kernel (``jax.grad`` raises a ``TypeError``
         naming the first such kernel it meets, backwards from the outputs): reads of values other threads of the
-        same launch write, dynamic loops whose adjoint Warp gets wrong, arrays warpnn cannot follow. A kernel
-        mujoco_warp compiles without an adjoint (``enable_backward=False`` on 25 of its modules) is differentiated
-        through its twin built with one (``warpnn._twins.with_adjoint``), the installed package untouched. The stage is the mujoco_warp module
-        (``smooth``, ``forward``, ``passive``, ``constraint``, ``solver``, ``collision_*``, ...).
+        same launch write, dynamic loops whose adjoint Warp gets wrong, calls Warp has no adjoint for, arrays
+        warpnn cannot follow. A kernel mujoco_warp compiles without an adjoint (``enable_backward=False`` on 25 of
+        its modules) is differentiated through its twin built with one (``warpnn._twins.with_adjoint``), the
+        installed package untouched. The stage is the mujoco_warp module (``smooth``, ``forward``, ``passive``,
+        ``constraint``, ``solver``, ``collision_*``, ...).
         """
         # The bridge's analysis of a kernel (one source of truth) over the recorded launches.
         from warpnn._access import codegen_access

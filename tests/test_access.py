@@ -613,3 +613,35 @@ def test_jax_callable_refuses_a_loop_whose_tape_gradient_is_wrong():
     with pytest.raises(RuntimeError, match="kernel 'loop_norm' reads arrays that have gradients.*dynamic for loop"):
         # (on a GPU the error reaches Python when the result does: block on it)
         jax.block_until_ready(jax.grad(lambda x: f(x, output_dims={"out": 3})[0].sum())(x))
+
+
+@wp.kernel
+def flags_refilled(x: wp.array(dtype=float), flags: wp.array(dtype=int), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = x[i] * x[i]
+    if x[i] > 1.0:
+        flags[i] = flags[i] | 1
+    if x[i] > 2.0:
+        flags[i] = flags[i] | 2  # reads what the line above may have written: only into the flags again
+
+
+@wp.kernel
+def flags_steer_the_result(x: wp.array(dtype=float), flags: wp.array(dtype=int), y: wp.array(dtype=float)):
+    i = wp.tid()
+    if x[i] > 1.0:
+        flags[i] = 1
+    if flags[i] == 1:  # the adjoint's replay would read the flag as it was before the launch
+        y[i] = x[i] * x[i]
+
+
+def test_integer_flags_read_after_writing_refuse_reverse_mode_only_where_they_steer_something():
+    """mujoco_warp's `overflow` flags: read after the launch wrote them, but only to set more bits."""
+    x = jnp.array([0.5, 1.5, 2.5])
+    flags = jnp.zeros(3, jnp.int32)
+    f = warpnn.jax_kernel(flags_refilled, num_outputs=2, in_out_argnames=["flags"])
+    new_flags, y = f(x, flags)
+    np.testing.assert_array_equal(np.asarray(new_flags), [0, 1, 3])
+    assert_close(jax.grad(lambda x: f(x, flags)[1].sum())(x), 2.0 * x)
+    g = warpnn.jax_kernel(flags_steer_the_result, num_outputs=2, in_out_argnames=["flags"])
+    with pytest.raises(TypeError, match="array 'flags': line .* reads it after the kernel wrote it"):
+        jax.grad(lambda x: g(x, flags)[1].sum())(x)

@@ -861,8 +861,9 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     reasons = sig.reverse_refusal_reasons()
     if reasons:
         in_place = any(sig.uses[n].in_place_problem() is not None for n in sig.reverse_problems)
+        loops = any("loop" in problem for problem in sig.adjoint_problems)
         raise TypeError(REVERSE_PROBLEM_MESSAGE.format(key=sig.key, problems="; ".join(reasons))
-                        + (IN_PLACE_ADVICE if in_place else "") + (LOOP_ADVICE if any("loop" in p for p in sig.adjoint_problems) else ""))
+                        + (IN_PLACE_ADVICE if in_place else "") + (LOOP_ADVICE if loops else ""))
     if not sig.has_adjoint:
         # Compiled without an adjoint (enable_backward=False on the kernel or its module, as mujoco_warp builds
         # most of its modules): the adjoint comes from a twin of the same source built with one (_twins.py).
