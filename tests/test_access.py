@@ -586,6 +586,24 @@ def test_kernels_whose_warp_adjoint_is_wrong_are_refused_naming_the_place(kernel
     assert not np.allclose(got, want, rtol=1e-3, atol=1e-3), (got, want)
 
 
+@wp.kernel
+def loop_returns_from_the_thread(x: wp.array2d(dtype=float), n: int, out: wp.array2d(dtype=float)):
+    t = wp.tid()
+    for i in range(n):
+        out[t, i] = x[t, i] * x[t, i]
+        if x[t, i] > 1.2:
+            return  # wp.Tape's reverse pass still runs the iterations after this one
+
+
+def test_a_loop_that_returns_is_refused():
+    f = warpnn.jax_kernel(loop_returns_from_the_thread, num_outputs=1)
+    x = jnp.asarray(_LOOP_X)
+    reached = np.cumsum(np.cumsum(np.asarray(x) > 1.2, axis=1), axis=1) <= 1
+    assert_close(f(x, 4, launch_dims=3, output_dims=(3, 4))[0], np.where(reached, np.asarray(x) ** 2, 0.0))
+    with pytest.raises(TypeError, match="leaves an iteration early .`return`"):
+        jax.grad(lambda x: f(x, 4, launch_dims=3, output_dims=(3, 4))[0].sum())(x)
+
+
 def test_a_tile_builtin_without_adjoint_is_a_problem_of_the_kernel():
     from warpnn._access import codegen_facts
 

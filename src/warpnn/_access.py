@@ -777,14 +777,17 @@ def _adjointless_call_problem(adj, func, args: list, output) -> str | None:
 def _early_exit_problem(loop: ast.AST, adj) -> str | None:
     """Why Warp's adjoint of the dynamic ``loop`` is wrong if an iteration can leave it early: measured with wp.Tape,
     an iteration that leaves by ``continue`` or ``break`` gets no adjoint for what it did before (the gradient of
-    ``if c: s += x * x; continue`` is lost). A constant-range loop with ``continue`` that Warp unrolls is right."""
-    def exits_of(node: ast.AST) -> list[ast.stmt]:  # this loop's, not those of loops inside it
+    ``if c: s += x * x; continue`` is lost), and after a ``return`` the reverse pass still runs the iterations the
+    forward never reached. A constant-range loop with ``continue`` that Warp unrolls is right."""
+    def exits_of(node: ast.AST) -> list[ast.stmt]:  # this loop's breaks and continues, not those of inner loops
         if isinstance(node, (ast.Break, ast.Continue)):
             return [node]
         return [e for child in ast.iter_child_nodes(node) if not isinstance(child, (ast.For, ast.While))
                 for e in exits_of(child)]
 
-    exits = [e for statement in loop.body for e in exits_of(statement)]
+    # (a `return` anywhere in the loop leaves it too: the reverse pass then runs iterations the forward never did)
+    returns = [n for statement in loop.body for n in ast.walk(statement) if isinstance(n, ast.Return)]
+    exits = [e for statement in loop.body for e in exits_of(statement)] + returns
     if not exits:
         return None
     offset = int(getattr(adj, "fun_lineno", 1) or 1) - 1
