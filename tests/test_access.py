@@ -595,15 +595,6 @@ def loop_returns_from_the_thread(x: wp.array2d(dtype=float), n: int, out: wp.arr
             return  # wp.Tape's reverse pass still runs the iterations after this one
 
 
-def test_a_loop_that_returns_is_refused():
-    f = warpnn.jax_kernel(loop_returns_from_the_thread, num_outputs=1)
-    x = jnp.asarray(_LOOP_X)
-    reached = np.cumsum(np.cumsum(np.asarray(x) > 1.2, axis=1), axis=1) <= 1
-    assert_close(f(x, 4, launch_dims=3, output_dims=(3, 4))[0], np.where(reached, np.asarray(x) ** 2, 0.0))
-    with pytest.raises(TypeError, match="leaves an iteration early .`return`"):
-        jax.grad(lambda x: f(x, 4, launch_dims=3, output_dims=(3, 4))[0].sum())(x)
-
-
 def test_a_tile_builtin_without_adjoint_is_a_problem_of_the_kernel():
     from warpnn._access import codegen_facts
 
@@ -611,13 +602,15 @@ def test_a_tile_builtin_without_adjoint_is_a_problem_of_the_kernel():
     assert len(problems) == 1 and "calls wp.tile_max" in problems[0], problems
 
 
-def test_a_loop_that_breaks_is_refused():
-    f = warpnn.jax_kernel(loop_stops_with_break, num_outputs=1)
+@pytest.mark.parametrize("kernel, exit", [(loop_stops_with_break, "break"), (loop_returns_from_the_thread, "return")],
+                         ids=["break", "return"])
+def test_a_loop_that_stops_early_is_refused(kernel, exit):
+    f = warpnn.jax_kernel(kernel, num_outputs=1)
     x = jnp.asarray(_LOOP_X)
-    # (the elements after the break keep the zeros the output starts from)
+    # (the elements after the exit keep the zeros the output starts from)
     reached = np.cumsum(np.cumsum(np.asarray(x) > 1.2, axis=1), axis=1) <= 1
     assert_close(f(x, 4, launch_dims=3, output_dims=(3, 4))[0], np.where(reached, np.asarray(x) ** 2, 0.0))
-    with pytest.raises(TypeError, match="leaves an iteration early .`break`"):
+    with pytest.raises(TypeError, match=f"leaves an iteration early .`{exit}`"):
         jax.grad(lambda x: f(x, 4, launch_dims=3, output_dims=(3, 4))[0].sum())(x)
 
 
