@@ -662,3 +662,25 @@ def test_kernel_compiled_without_adjoint_differentiates_through_a_rebuilt_one():
         assert_close(got, want)
     assert not spring_energy_without_adjoint.module.options.get("enable_backward", True) or \
         spring_energy_without_adjoint.options.get("enable_backward") is False  # the user's kernel is as it was
+
+
+@wp.func
+def _bump(v: wp.ref[float]):
+    v = v + 1.0
+
+
+@wp.kernel(enable_backward=False)
+def bumps_through_a_reference(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    v = x[i]
+    _bump(v)  # Warp refuses wp.ref parameters in a kernel built with an adjoint
+    y[i] = v * x[i]
+
+
+def test_kernel_whose_adjoint_warp_cannot_generate_runs_forward_and_refuses_grad():
+    f = warpnn.jax_kernel(bumps_through_a_reference)
+    x = jnp.arange(3.0)
+    assert_close(f(x)[0], (x + 1.0) * x, 0, 0)
+    with pytest.raises(TypeError, match="'bumps_through_a_reference' cannot be differentiated: it was compiled without "
+                                        "an adjoint .* Warp's code generator fails on it built with one"):
+        jax.grad(lambda x: f(x)[0].sum())(x)

@@ -596,7 +596,7 @@ def codegen_facts(kernel) -> CodegenFacts:
         return cached[1]
     from warp._src import codegen, context
 
-    loops = _LoopWatch()
+    watch = _AdjointWatch()
     try:
         module = kernel.module
         block_dim = module.options.get("block_dim", 256)
@@ -607,7 +607,7 @@ def codegen_facts(kernel) -> CodegenFacts:
         # Warp logs a warning for every array written after it was read; that is its business, not the user's here.
         with _CODEGEN_FACTS_LOCK, context._codegen_lock, warnings.catch_warnings(), \
                 contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                loops.watching(codegen.Adjoint):
+                watch.watching(codegen.Adjoint):
             warnings.simplefilter("ignore")
             try:
                 context.ModuleBuilder(module, options, hasher=_OneKernel(kernel), target="cpu")
@@ -615,7 +615,7 @@ def codegen_facts(kernel) -> CodegenFacts:
                           if wp.types.is_array(a.type)}
             finally:
                 codegen.options = previous
-        facts = CodegenFacts(access, loops.problems_reaching(kernel.adj))
+        facts = CodegenFacts(access, watch.problems_reaching(kernel.adj))
     except Exception:  # noqa: BLE001 - Warp cannot generate the kernel: its launch reports why
         facts = CodegenFacts(None)
     _CODEGEN_FACTS[id(kernel)] = (kernel, facts)
@@ -635,13 +635,18 @@ def codegen_facts(kernel) -> CodegenFacts:
 # there and decides per loop (``_loop_problem``).
 
 
-class _LoopWatch:
-    """Records, while Warp generates code, each dynamic loop and the variables it changes."""
+class _AdjointWatch:
+    """Records, while Warp generates code, where each function's generated adjoint would be silently wrong: its
+    dynamic loops (the variables they change, early exits) and its calls of builtins without an adjoint."""
 
     def __init__(self):
-        self._problems: dict[int, list[str]] = {}  # id of a kernel's or function's Adjoint: its loops' problems
+        self._problems: dict[int, list[str]] = {}  # id of a kernel's or function's Adjoint: its problems
         self._loops: list[ast.AST] = []
         self._dynamic: list[bool] = []  # per loop being generated: whether Warp emits it as a dynamic loop
+
+    def _note(self, adj, problem: str | None) -> None:
+        if problem is not None:
+            self._problems.setdefault(id(adj), []).append(problem)
 
     def problems_reaching(self, kernel_adj) -> tuple[str, ...]:
         """The problems of the kernel's loops and of those of the ``@wp.func``s whose generated adjoint the
@@ -673,9 +678,7 @@ class _LoopWatch:
                 finally:
                     watch._loops.pop()
                     if watch._dynamic.pop() and not adj.custom_reverse_mode:
-                        problem = _early_exit_problem(node, adj)
-                        if problem is not None:
-                            watch._problems.setdefault(id(adj), []).append(problem)
+                        watch._note(adj, _early_exit_problem(node, adj))
             return emit_loop
 
         def on_materialize(adj, symbols):
@@ -691,8 +694,7 @@ class _LoopWatch:
                 except Exception as e:  # noqa: BLE001 - a loop warpnn cannot judge is refused, never passed
                     problem = (f"warpnn could not analyse a dynamic loop in '{adj.fun_name}' ({type(e).__name__}: "
                                f"{e}), which changes {', '.join(map(repr, sorted(changed)))}")
-                if problem is not None:
-                    watch._problems.setdefault(id(adj), []).append(problem)
+                watch._note(adj, problem)
             return materialize(adj, symbols)
 
         def on_add_call(adj, func, args, kwargs, type_args, min_outputs=None, return_value_used=True,
@@ -706,8 +708,7 @@ class _LoopWatch:
                 except Exception as e:  # noqa: BLE001 - a call warpnn cannot judge is refused, never passed
                     problem = (f"warpnn could not judge the call of '{getattr(resolved, 'key', resolved)}' in "
                                f"'{adj.fun_name}' ({type(e).__name__}: {e})")
-                if problem is not None:
-                    watch._problems.setdefault(id(adj), []).append(problem)
+                watch._note(adj, problem)
             return (output, resolved, bound) if return_resolved else output
 
         add_call = adjoint_class.add_call
@@ -734,7 +735,8 @@ _PLUMBING = {"load", "store", "index", "indexref", "iter_next", "range", "revers
 
 
 def _float_valued(value) -> bool:
-    """Whether a codegen value (a Var, or a Function passed as an argument) holds floats a gradient could flow in."""
+    """Whether a call's argument or result holds floats a gradient could flow in (a ``Var`` of a float type, or a
+    tile of floats; anything else, such as a function passed to ``tile_map``, does not)."""
     from warp._src.codegen import Var, strip_reference
 
     if not isinstance(value, Var):
@@ -765,13 +767,21 @@ def _adjointless_call_problem(adj, func, args: list, output) -> str | None:
         _float_valued(a) and wp.types.is_tile(a.type) for a in args))
     if not changes_a_tile and not any(_float_valued(o) for o in outputs):
         return None  # integer, boolean or query results: nothing to differentiate
-    line = getattr(adj, "lineno", None)  # (0-based within the function, as Warp's error messages count it)
-    where = f" (line {int(getattr(adj, 'fun_lineno', 0) or 0) + line})" if isinstance(line, int) else ""
-    function = f"@wp.func '{adj.fun_name}'" if getattr(adj, "is_user_function", False) else f"'{adj.fun_name}'"
+    offset, function = _in_function(adj)
+    line = getattr(adj, "lineno", None)  # (the statement being generated: 0-based, one below the parsed source's)
+    where = f" (line {offset + 1 + line})" if isinstance(line, int) else ""
     what = (f"wp.{func.key}" if callable_without_adjoint is None
             else f"wp.{func.key} with '{getattr(callable_without_adjoint, 'key', '?')}'")
-    return (f"{function} calls {what}{where} on differentiable values, and Warp has no adjoint for it: the "
-            "gradient through it would be zero")
+    return (f"{function} calls {what}{where} on differentiable values, and Warp has no adjoint "
+            "for it: the gradient through it would be zero")
+
+
+def _in_function(adj) -> tuple[int, str]:
+    """``(offset, name)`` for problems found in the function ``adj`` builds: the offset turns a line of its parsed
+    source into a line of its file; the name is ``'<kernel>'`` or ``@wp.func '<name>'``."""
+    offset = int(getattr(adj, "fun_lineno", 1) or 1) - 1
+    kind = "@wp.func " if getattr(adj, "is_user_function", False) else ""
+    return offset, f"{kind}'{adj.fun_name}'"
 
 
 def _early_exit_problem(loop: ast.AST, adj) -> str | None:
@@ -790,11 +800,10 @@ def _early_exit_problem(loop: ast.AST, adj) -> str | None:
     exits = [e for statement in loop.body for e in exits_of(statement)] + returns
     if not exits:
         return None
-    offset = int(getattr(adj, "fun_lineno", 1) or 1) - 1
-    function = f"in @wp.func '{adj.fun_name}'" if getattr(adj, "is_user_function", False) else f"in '{adj.fun_name}'"
+    offset, function = _in_function(adj)
     kind = "while loop" if isinstance(loop, ast.While) else "dynamic for loop"
     first = min(exits, key=lambda n: n.lineno)
-    return (f"the {kind} at line {offset + loop.lineno} {function} leaves an iteration early "
+    return (f"the {kind} at line {offset + loop.lineno} in {function} leaves an iteration early "
             f"(`{ast.unparse(first)}`, line {offset + first.lineno}): Warp's adjoint of such an iteration loses the "
             "adjoints of what it did before leaving")
 
@@ -812,16 +821,15 @@ def _loop_problem(loop: ast.AST, changed: dict[str, Any], adj) -> str | None:
     wp.Tape against pure JAX on each form. For a ``while`` loop, whose reverse pass never runs: no changed float
     variable, no array written or ``@wp.func`` called in it, no changed variable read after it.
     """
-    offset = int(getattr(adj, "fun_lineno", 1) or 1) - 1
+    offset, function = _in_function(adj)
     where = f"line {offset + loop.lineno}"
-    function = f"in @wp.func '{adj.fun_name}'" if getattr(adj, "is_user_function", False) else f"in '{adj.fun_name}'"
     arrays = {a.label for a in getattr(adj, "args", ()) if wp.types.is_array(a.type)}
     try:
         function_def = _function_def(adj.tree)
         parents = _parents(function_def)
         outside = _loads_outside(function_def, loop, parents)
     except Exception:  # noqa: BLE001 - no tree: nothing can be shown
-        return f"the loop at {where} {function} changes {', '.join(map(repr, sorted(changed)))}"
+        return f"the loop at {where} in {function} changes {', '.join(map(repr, sorted(changed)))}"
     if isinstance(loop, ast.While):
         carried = sorted(sym for sym, t in changed.items() if _carries_gradient(t))
         effect = _side_effect(loop, adj, offset)
@@ -834,7 +842,7 @@ def _loop_problem(loop: ast.AST, changed: dict[str, Any], adj) -> str | None:
             what = f"changes {read_after.id!r}, read after it (line {offset + read_after.lineno})"
         else:
             return None
-        return (f"the while loop at {where} {function} {what}: Warp's adjoint does not run a while loop again before "
+        return (f"the while loop at {where} in {function} {what}: Warp's adjoint does not run a while loop again before "
                 "its reverse pass, so the loop's reverse pass never runs and the values after it are those from "
                 "before it")
     for sym in sorted(changed):
@@ -845,7 +853,7 @@ def _loop_problem(loop: ast.AST, changed: dict[str, Any], adj) -> str | None:
             if read is not None:
                 how = f"and line {offset + read.lineno} uses its value after the loop"
         if how is not None:
-            return (f"the dynamic for loop at {where} {function} changes {sym!r} {how}: Warp's adjoint does not run "
+            return (f"the dynamic for loop at {where} in {function} changes {sym!r} {how}: Warp's adjoint does not run "
                     "dynamic loops again before their adjoints, so it would see the value from before the loop")
     return None
 
@@ -928,10 +936,10 @@ def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
     this iteration), is inside an inner ``for`` that sets it, or is the running value of ``sym += e`` / ``sym = sym + e``
     / ``sym -= e`` / ``sym = e + sym`` when every assignment of it in the loop has that form (the adjoint of a sum
     does not depend on its running value). Else the read, as a phrase."""
-    body = list(loop.body)
-    parents = _parents(ast.Module(body=body, type_ignores=[]))
+    body = ast.Module(body=list(loop.body), type_ignores=[])
+    parents = _parents(body)
     assignments, running_reads = 0, set()
-    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+    for node in ast.walk(body):
         if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == sym:
             assignments += 1
             if isinstance(node.op, (ast.Add, ast.Sub)):
@@ -948,16 +956,18 @@ def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
                     and isinstance(value.op, ast.Add):
                 running_reads.add(id(value.right))
     accumulates = assignments == len(running_reads)
+
     def set_earlier_in_its_block(node: ast.AST) -> bool:
         """Whether a statement before the read, in a block that holds it (up to the loop's body), sets ``sym``."""
         child = node
         while id(child) in parents:
             parent = parents[id(child)]
             for block in (getattr(parent, "body", None), getattr(parent, "orelse", None)):
-                if isinstance(block, list) and any(s is child for s in block):
-                    k = next(i for i, s in enumerate(block) if s is child)
-                    if any(_assigns_name(s, sym) for s in block[:k]):
-                        return True
+                if not isinstance(block, list):
+                    continue
+                k = next((i for i, statement in enumerate(block) if statement is child), None)
+                if k is not None and any(_assigns_name(statement, sym) for statement in block[:k]):
+                    return True
             child = parent
         return False
 
@@ -968,7 +978,7 @@ def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
                 return True
         return False
 
-    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+    for node in ast.walk(body):
         reads = isinstance(node, ast.Name) and node.id == sym and isinstance(node.ctx, ast.Load) \
             or isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == sym
         if not reads:

@@ -511,7 +511,8 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
 
     # The row twin of a kernel of rank >= 2 loops over its last launch dim itself: Warp's CPU code unravels
     # every thread's coordinates from one linear index with a 64-bit division per dim, about half the cost of
-    # a small kernel such as a stencil (benchmarks/cpu_codegen.py); a loop has none. `return` becomes `continue`.
+    # a small kernel such as a stencil (benchmarks/cpu_codegen.py); a loop has none. Each `return` becomes the
+    # branch it implies (_returns_as_branches), never `continue`.
     inner_loop = not batched and kernel_dim >= 2 and _returns_as_branches(flat_body) is not None
     shapes = None
     if inner_loop:

@@ -19,7 +19,6 @@ import warp as wp
 
 from . import _checked, _cuda_graphs, _measured, _pruned, _sharding, _spread, _twins
 from . import _warp_compat as wc
-from ._access import codegen_access
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
 
@@ -924,17 +923,9 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
 def _with_rebuilt_adjoint(sig: KernelSignature) -> KernelSignature:
     """``sig`` launching, for its adjoint, the twin of its kernel that Warp builds with an adjoint."""
     rebuilt = sig.__dict__.get("_rebuilt")
-    if rebuilt is None:
-        twin = _twins.with_adjoint(sig.kernel)
-        if codegen_access(twin) is None:
-            raise TypeError(
-                f"Kernel '{sig.key}' was compiled without an adjoint (enable_backward=False on the kernel or its "
-                "module), and Warp cannot generate one for it (its code generator fails on the kernel built with "
-                "enable_backward=True), so it cannot be differentiated. Keep its inputs out of the gradient with "
-                "jax.lax.stop_gradient if you only need its forward pass."
-            )
+    if rebuilt is None:  # (a twin Warp cannot generate is one of sig.reverse_refusal_reasons(), checked before)
         # (a base of its own: its variants, e.g. adjoints in place, must keep the twin)
-        rebuilt = sig.__dict__["_rebuilt"] = dataclasses.replace(sig, kernel=twin)
+        rebuilt = sig.__dict__["_rebuilt"] = dataclasses.replace(sig, kernel=_twins.with_adjoint(sig.kernel))
     return rebuilt
 
 

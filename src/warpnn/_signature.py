@@ -17,8 +17,9 @@ import numpy as np
 import warp as wp
 
 from . import _warp_compat as wc
-from ._access import (ArrayUse, _fully_written, analyse_array_uses, codegen_facts, values_only_refill_integer_arrays,
-                      warp_builds_adjoint)
+from ._access import (ArrayUse, _fully_written, analyse_array_uses, codegen_access, codegen_facts,
+                      values_only_refill_integer_arrays, warp_builds_adjoint)
+from ._twins import with_adjoint
 from warp._src.codegen import Struct
 
 
@@ -199,8 +200,14 @@ class KernelSignature:
         return codegen_facts(self.kernel).adjoint_problems
 
     def reverse_refusal_reasons(self) -> list[str]:
-        """Why reverse mode must refuse this kernel, one phrase per array or loop (empty: it may differentiate)."""
-        return [*(f"array '{n}': {why}" for n, why in self.reverse_problems.items()), *self.adjoint_problems]
+        """Why reverse mode must refuse this kernel, one phrase per array, loop or call (empty: it may
+        differentiate). A kernel compiled without an adjoint differentiates through its twin built with one
+        (``_twins.with_adjoint``), unless Warp cannot generate that twin."""
+        reasons = [*(f"array '{n}': {why}" for n, why in self.reverse_problems.items()), *self.adjoint_problems]
+        if not self.has_adjoint and codegen_access(with_adjoint(self.kernel)) is None:
+            reasons.append("it was compiled without an adjoint (enable_backward=False on the kernel or its module), "
+                           "and Warp's code generator fails on it built with one")
+        return reasons
 
     @functools.cached_property
     def replay_buffers(self) -> tuple[ArgSpec, ...]:
