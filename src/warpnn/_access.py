@@ -464,21 +464,21 @@ def values_only_refill_integer_arrays(tree: ast.AST, name: str, integer_arrays: 
     ``overflow`` flags) is no reason to refuse reverse mode.
     """
     function = _function_def(tree)
-    parents = _parents(function)
+    parents = parents_of(function)
     operators = (ast.BinOp, ast.UnaryOp, ast.BoolOp)
     for node in ast.walk(function):
         if not (isinstance(node, ast.Name) and node.id == name):
             continue
-        element = parents.get(id(node))
+        element = parents.get(node)
         if not (isinstance(element, ast.Subscript) and element.value is node):
             return False
-        statement = parents.get(id(element))
+        statement = parents.get(element)
         if isinstance(element.ctx, ast.Store) and isinstance(statement, (ast.Assign, ast.AugAssign)) \
                 and element in (statement.targets if isinstance(statement, ast.Assign) else [statement.target]):
             continue  # a store to it (`+=`: its read goes into that same store)
         child = element
         while isinstance(statement, operators):
-            child, statement = statement, parents.get(id(statement))
+            child, statement = statement, parents.get(statement)
         targets = statement.targets if isinstance(statement, ast.Assign) else \
             [statement.target] if isinstance(statement, ast.AugAssign) else []
         if not (targets and statement.value is child and all(
@@ -826,7 +826,7 @@ def _loop_problem(loop: ast.AST, changed: dict[str, Any], adj) -> str | None:
     arrays = {a.label for a in getattr(adj, "args", ()) if wp.types.is_array(a.type)}
     try:
         function_def = _function_def(adj.tree)
-        parents = _parents(function_def)
+        parents = parents_of(function_def)
         outside = _loads_outside(function_def, loop, parents)
     except Exception:  # noqa: BLE001 - no tree: nothing can be shown
         return f"the loop at {where} in {function} changes {', '.join(map(repr, sorted(changed)))}"
@@ -868,17 +868,18 @@ def _carries_gradient(warp_type) -> bool:
         return True
 
 
-def _parents(tree: ast.AST) -> dict[int, ast.AST]:
-    return {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+def parents_of(*roots: ast.AST) -> dict[ast.AST, ast.AST]:
+    """Every node under ``roots`` mapped to the node that contains it (AST nodes hash by identity)."""
+    return {child: node for root in roots for node in ast.walk(root) for child in ast.iter_child_nodes(node)}
 
 
-def _loads_outside(function: ast.FunctionDef, loop: ast.AST, parents: dict[int, ast.AST]) -> list[ast.Name]:
+def _loads_outside(function: ast.FunctionDef, loop: ast.AST, parents: dict[ast.AST, ast.AST]) -> list[ast.Name]:
     """Loads of names in ``function`` outside ``loop`` that may run after it: all of them, less those before it
     when it is not inside another loop (they run once, before it)."""
     inside = {id(n) for n in ast.walk(loop)}
     node, nested = loop, False
-    while id(node) in parents:
-        node = parents[id(node)]
+    while node in parents:
+        node = parents[node]
         nested = nested or isinstance(node, (ast.For, ast.While))
     augmented = {id(n.target) for n in ast.walk(function) if isinstance(n, ast.AugAssign)}  # `v /= m` reads v
     return [n for n in ast.walk(function) if isinstance(n, ast.Name)
@@ -886,14 +887,14 @@ def _loads_outside(function: ast.FunctionDef, loop: ast.AST, parents: dict[int, 
             and id(n) not in inside and (nested or n.lineno >= loop.lineno)]
 
 
-def _flows_into_a_stored_sum(name: ast.Name, parents: dict[int, ast.AST], arrays: set[str]) -> bool:
+def _flows_into_a_stored_sum(name: ast.Name, parents: dict[ast.AST, ast.AST], arrays: set[str]) -> bool:
     """Whether ``name`` is a term of a sum (``+``, ``-``) that is stored to an array element, added into one
     (``a[i] += ...``, ``wp.atomic_add``/``atomic_sub``) or returned: adjoints that do not depend on its value."""
     node: ast.AST = name
-    parent = parents.get(id(node))
+    parent = parents.get(node)
     while isinstance(parent, ast.BinOp) and isinstance(parent.op, (ast.Add, ast.Sub)) or \
             isinstance(parent, ast.UnaryOp) and isinstance(parent.op, (ast.USub, ast.UAdd)):
-        node, parent = parent, parents.get(id(parent))
+        node, parent = parent, parents.get(parent)
 
     def array_element(target: ast.AST) -> bool:
         return isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id in arrays
@@ -937,7 +938,7 @@ def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
     / ``sym -= e`` / ``sym = e + sym`` when every assignment of it in the loop has that form (the adjoint of a sum
     does not depend on its running value). Else the read, as a phrase."""
     body = ast.Module(body=list(loop.body), type_ignores=[])
-    parents = _parents(body)
+    parents = parents_of(body)
     assignments, running_reads = 0, set()
     for node in ast.walk(body):
         if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == sym:
@@ -960,8 +961,8 @@ def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
     def set_earlier_in_its_block(node: ast.AST) -> bool:
         """Whether a statement before the read, in a block that holds it (up to the loop's body), sets ``sym``."""
         child = node
-        while id(child) in parents:
-            parent = parents[id(child)]
+        while child in parents:
+            parent = parents[child]
             for block in (getattr(parent, "body", None), getattr(parent, "orelse", None)):
                 if not isinstance(block, list):
                     continue
@@ -972,8 +973,8 @@ def _how_changed(loop: ast.AST, sym: str, offset: int) -> str | None:
         return False
 
     def set_by_inner_for(node: ast.AST) -> bool:
-        while id(node) in parents:
-            node = parents[id(node)]
+        while node in parents:
+            node = parents[node]
             if isinstance(node, ast.For) and any(isinstance(n, ast.Name) and n.id == sym for n in ast.walk(node.target)):
                 return True
         return False

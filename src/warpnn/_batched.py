@@ -71,7 +71,7 @@ import warp as wp
 
 from . import _settings
 from . import _warp_compat as wc
-from ._access import _names_visible_to
+from ._access import _names_visible_to, parents_of
 from ._twins import WP_NAME, kernel_from_source
 
 BATCH_PREFIX = "warpnn_"
@@ -282,11 +282,6 @@ def _indexes_every_dim(node: ast.Subscript, ndim: int) -> bool:
     return len(index) == ndim and not any(isinstance(i, ast.Slice) for i in index)
 
 
-def _parents(body: list[ast.stmt]) -> dict[ast.AST, ast.AST]:
-    """Every node of ``body`` mapped to the node that contains it."""
-    return {child: node for stmt in body for node in ast.walk(stmt) for child in ast.iter_child_nodes(node)}
-
-
 def _mentions(body: list[ast.stmt], names, parents: dict[ast.AST, ast.AST]) -> Iterator[tuple[ast.Name, ast.AST | None]]:
     """``(name node, its parent)`` for every mention in ``body`` of a name in ``names`` (checked as it goes: a set the
     caller shrinks while iterating)."""
@@ -300,7 +295,7 @@ def _read_only_arrays(body: list[ast.stmt], ndims: dict[str, int]) -> set[str]:
     """Array parameters the body only reads by subscript (or measures): no store, no augmented assignment, no call
     that takes the array itself (an atomic, a ``wp.func`` that may store into it), no view."""
     read_only = set(ndims)
-    parents = _parents(body)
+    parents = parents_of(*body)
     for node, parent in _mentions(body, read_only, parents):
         # a read: a load of one element (every dim indexed, no slice); a row view `row = x[k]` may be stored through
         read = (isinstance(parent, ast.Subscript) and parent.value is node and isinstance(parent.ctx, ast.Load)
@@ -385,7 +380,7 @@ def _hoisted_shapes(body: list[ast.stmt], arrays: frozenset[str], scope: dict) -
     (measured: heap corruption). Read before the loop, the field's adjoint runs after the loop's. A ``@wp.func``
     that takes the array gets its adjoint by reference and may do the same, so such kernels (and any other use of an
     array parameter than indexing it, measuring it at a constant dim, or passing it to a Warp builtin) get no loop."""
-    parents = _parents(body)
+    parents = parents_of(*body)
     for node, parent in _mentions(body, arrays, parents):
         indexed = isinstance(parent, ast.Subscript) and parent.value is node
         outer = parents.get(parent) if parent is not None else None

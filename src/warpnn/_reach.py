@@ -34,7 +34,7 @@ import warp as wp
 from . import _batched
 from . import _twins
 from . import _warp_compat as wc
-from ._access import _names_visible_to
+from ._access import _names_visible_to, parents_of
 from ._signature import KernelSignature, _bindings, _first_coordinate, _first_index
 
 MAX_BLOCKS = 512  # blocks of launch rows in the attribute (a block spans ceil(rows / MAX_BLOCKS) rows)
@@ -192,7 +192,7 @@ def _probe_of(kernel) -> _Probe | None:
 def _first_indices(fn: ast.FunctionDef, name: str, ndim: int, row_only: set[str], arrays, scope, measures) -> tuple[str, ...]:
     """The first indices (as source) of every access of array ``name``, if each is a whole element read whose first
     index is row-only and the array is used in no other way than that and measured; else ()."""
-    parents = _batched._parents(fn.body)
+    parents = parents_of(*fn.body)
     found: list[str] = []
     for node, parent in _batched._mentions(fn.body, {name}, parents):
         if isinstance(parent, ast.Attribute) and parent.attr == "shape":
