@@ -56,6 +56,7 @@ BENCHMARKS = {
     "checked_mode": "what checked mode costs: docs/checked-mode-{gpu,cpu}.md",
     "tiles_inout": "tile matmul and in-out accumulation: docs/tiles-inout-{gpu,cpu}.md",
     "newton_rollout": "Newton rollout vs wp.Tape: docs/newton-rollout-{gpu,cpu}.md",
+    "mujoco_step": "MuJoCo Warp's step vs mujoco_warp's captured graph and MJX: docs/mujoco-step-{gpu,cpu}.md",
     "multi_gpu": "data-parallel cloth training on 1..N GPUs: docs/multi_gpu.md",
     "launch_overhead": "per-call overhead of warpnn's launchers",
 }

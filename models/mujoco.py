@@ -9,8 +9,8 @@ Python per step. ``mujoco_warp`` runs unmodified, with one setting of the step's
 array, which a replay cannot reproduce: the solver then runs ``opt.iterations`` iterations, each stopping early
 on convergence inside its kernels).
 
-The pytrees are dicts of JAX arrays with mujoco_warp's shapes for ``nworld = 1`` (``qpos``: ``(1, nq)``,
-``time``: ``(1,)``):
+The pytrees are dicts of JAX arrays with mujoco_warp's shapes (``qpos``: ``(nworld, nq)``, ``time``:
+``(nworld,)``; ``nworld=1`` unless given):
 
 * ``state``: ``qpos``, ``qvel``, ``act``, ``ctrl``, ``time`` (those the model has), plus every ``Data`` array the
   step writes and reads back the next step (warm start ``qacc_warmstart``, and arrays mujoco_warp updates in
@@ -96,6 +96,11 @@ class MujocoStep:
             ``time`` and every other array the step writes and reads back). Given explicitly, leaving out such an
             array is an error: every replayed step would restart it from its value when the step was traced.
         param_fields: ``Model`` arrays taken per call (``body_mass``, ``dof_damping``, ``actuator_gainprm``, ...).
+        nworld: the number of worlds the step advances at once (``mujoco_warp.put_data``'s): each state array has
+            mujoco_warp's leading world axis (``qpos``: ``(nworld, nq)``), each kernel is one launch over every
+            world, and ``data``'s values start each one. The way to step many worlds: under ``jax.vmap`` of an
+            ``nworld=1`` step, some of mujoco_warp's kernels launch once per batch element on a GPU (a warning
+            names each and why).
         nconmax, njmax: contact and constraint capacity per world (``mujoco_warp.put_data``'s).
         sparse_jacobian: trace with a sparse constraint Jacobian (a copy of ``model`` with
             ``opt.jacobian = mjJAC_SPARSE``; same physics, float rounding aside). Default: the model's own. (With
@@ -115,6 +120,7 @@ class MujocoStep:
         *,
         state_fields: Sequence[str] | None = None,
         param_fields: Sequence[str] = (),
+        nworld: int = 1,
         nconmax: int | None = None,
         njmax: int | None = None,
         sparse_jacobian: bool = False,
@@ -135,7 +141,8 @@ class MujocoStep:
         self.m = mjw.put_model(self.mjm)
         # capture_while reads the solver's loop count from a device array: a replay needs a fixed loop
         self.m.opt.graph_conditional = False
-        self.d = mjw.put_data(self.mjm, data, nworld=1, nconmax=nconmax, njmax=njmax)
+        self.d = mjw.put_data(self.mjm, data, nworld=nworld, nconmax=nconmax, njmax=njmax)
+        self.nworld = nworld
         self.param_fields = tuple(param_fields)
         self._data = data_arrays(self.d)
         model_arrays = data_arrays(self.m)
