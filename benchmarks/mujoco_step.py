@@ -43,7 +43,7 @@ from .common import time_interleaved
 wp.config.quiet = True
 
 # (file under mujoco_warp/test_data, contacts per world, constraint rows per world)
-MODELS = {"humanoid": ("humanoid/humanoid.xml", 32, 128), "aloha": ("aloha_pot/scene.xml", 48, 192)}
+MODELS = {"humanoid": ("humanoid/humanoid.xml", 32, 128), "aloha": ("aloha_pot/scene.xml", 256, 768)}
 
 
 def _model(name: str):
@@ -191,6 +191,13 @@ _ROW_KEYS = ("model", "nv", "nworld", "steps", "trace_s")
 _COLUMNS = ("warpnn fwd", "warpnn vmap", "mujoco_warp captured", "mujoco_warp loop", "MJX warp", "warpnn fwd+bwd")
 
 
+def _short(error: str) -> str:
+    """A refusal as its kernel (the JSON keeps the whole message)."""
+    if error.startswith("TypeError: Kernel '"):
+        return f"refused at `{error.split(chr(39))[1]}`"
+    return error
+
+
 def markdown(rows: list[dict]) -> str:
     import mujoco
     import mujoco_warp
@@ -203,13 +210,15 @@ def markdown(rows: list[dict]) -> str:
         f"Steps per second (worlds x steps / s), a {rows[0]['steps'] if rows else ''}-step rollout; jax "
         f"{jax.__version__}, warp-lang {wp.__version__}, mujoco-warp {getattr(mujoco_warp, '__version__', '?')}, "
         f"mujoco {mujoco.__version__}, warpnn launcher {warpnn._launch.LAUNCHER.name}. "
-        "`python -m benchmarks mujoco_step`. A cell with an error names why that case did not run.",
+        "`python -m benchmarks mujoco_step`. MJX warp runs the copy of mujoco_warp that mujoco-mjx vendors, not "
+        "the installed one. A cell with an error names why that case did not run (reverse mode: the first kernel "
+        "refused, `MujocoStep.reverse_refusals()` lists all).",
         "",
         "| model | nv | worlds | " + " | ".join(columns) + " | warpnn / mujoco_warp |",
         "|---|---|---|" + "---|" * (len(columns) + 1),
     ]
     for r in rows:
-        cells = [f"{r[c]:,}" if isinstance(r.get(c), int) else str(r.get(c, "")) for c in columns]
+        cells = [f"{r[c]:,}" if isinstance(r.get(c), int) else _short(str(r.get(c, ""))) for c in columns]
         base = r.get("mujoco_warp captured", r.get("mujoco_warp loop"))
         ratio = f"{r['warpnn fwd'] / base:.2f}" if isinstance(base, int) and isinstance(r.get("warpnn fwd"), int) else ""
         lines.append(f"| {r['model']} | {r['nv']} | {r['nworld']:,} | " + " | ".join(cells) + f" | {ratio} |")
