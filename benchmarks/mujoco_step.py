@@ -4,7 +4,7 @@
 [--merge]``
 
 Models are the ones mujoco_warp ships in ``mujoco_warp/test_data`` (its own benchmarks use them): ``humanoid``
-(a humanoid falling onto a floor: 27 dofs, contacts and the constraint solver) and ``aloha`` (the ALOHA
+(27 dofs on a floor, from its first keyframe: contacts and the constraint solver) and ``aloha`` (the ALOHA
 bimanual manipulator with a pot: two 6-dof arms with grippers, mesh collisions). Each world starts from the
 model's first keyframe (or its default state) with its own small random joint velocities. For each model and
 number of worlds it times one rollout of ``--steps`` steps and reports steps per second (worlds x steps / s):
@@ -141,7 +141,6 @@ def _mjx_case(mjm, qvel: np.ndarray, nconmax: int, njmax: int, steps: int):
     except ImportError as e:
         return ImportError(f"MJX not installed ({e})")
     try:
-
         mx = mjx.put_model(mjm, impl="warp")
         dx = mjx.make_data(mjm, impl="warp", naconmax=nconmax * qvel.shape[0], njmax=njmax)
         batch = jax.vmap(lambda v: dx.replace(qvel=v))(jnp.asarray(qvel))
