@@ -425,6 +425,28 @@ def through_frac(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float))
     out[t] = wp.frac(3.0 * x[t, 0]) + x[t, n - 1]  # Warp has no adjoint for frac: d/dx[t, 0] would be 0
 
 
+@wp.func
+def softened_inverse(r: float):
+    return 1.0 / (r + 0.1)
+
+
+@wp.kernel
+def through_grad_call(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    out[t] = wp.grad(softened_inverse)(x[t, 0]) + x[t, n - 1]  # forward-only in Warp: d/dx[t, 0] would be 0
+
+
+@wp.func
+def repulsion(r: float):
+    return -wp.grad(softened_inverse)(r)  # (warp.examples' particle repulsion computes its forces so)
+
+
+@wp.kernel
+def grad_call_in_a_func(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    out[t] = repulsion(x[t, 0]) + x[t, n - 1]  # Warp makes no reverse call of a function that calls wp.grad
+
+
 @wp.kernel
 def tile_row_max(x: wp.array2d(dtype=float), out: wp.array(dtype=float)):
     i = wp.tid()
@@ -530,6 +552,8 @@ WARP_ADJOINT_WRONG = {  # kernel: (pure-JAX reference, what the refusal names)
     loop_in_a_func: (lambda x: jnp.prod(x, 1), "in @wp.func 'product_of_row'"),
     loop_sum_scaled_in_place: (lambda x: _square_sum(x) * x[:, 0], "changes 's' and line"),
     through_frac: (lambda x: jnp.mod(3.0 * x[:, 0], 1.0) + x[:, -1], "calls wp.frac (line"),
+    through_grad_call: (lambda x: -1.0 / (x[:, 0] + 0.1) ** 2 + x[:, -1], "calls wp.grad(softened_inverse) (line"),
+    grad_call_in_a_func: (lambda x: 1.0 / (x[:, 0] + 0.1) ** 2 + x[:, -1], "@wp.func 'repulsion' calls wp.grad"),
     loop_skips_with_continue: (lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 2.0 * x), 1), "leaves an iteration early"),
     loop_reads_an_earlier_iteration: (lambda x: jax.vmap(_squares_of_last_big_doubled)(x), "changes 'v' and line"),
 }

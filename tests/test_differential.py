@@ -219,3 +219,21 @@ def test_mujoco_warp_step_launches():
         counts, failures = run_program(step.program, step.program.initial_inputs())
     assert failures == [], failures
     assert counts["launches"] >= 50 and counts["vmap compared"] >= 50 and counts["reverse compared"] >= 25, counts
+
+
+def test_warp_example_particle_repulsion_launches():
+    """warp.examples' particle repulsion (a hash-grid neighbour query, forces from ``wp.grad`` of a potential), two
+    substeps traced. Its force kernel is refused in reverse mode: Warp's ``wp.grad(f)`` call is forward-only, so
+    wp.Tape's gradient through the forces is zero where central differences are not (this test found that)."""
+    example = pytest.importorskip("warp.examples.optim.example_particle_repulsion")
+    with wp.ScopedDevice("cpu"):
+        sim = example.Example()
+        sim.sim_substeps = 2
+        sim.grid.build(sim.positions, sim.grid_cell_size)  # (a host-side build: traced steps refuse it)
+        sim.velocities.assign(np.random.default_rng(1).normal(size=(len(sim.velocities), 3)).astype(np.float32) * 0.1)
+        state = {"x": sim.positions, "v": sim.velocities}
+        program = warpnn.trace(sim.simulate, state, state)
+        counts, failures = run_program(program, program.initial_inputs())
+    assert failures == [], failures
+    assert counts["launches"] == 2 and counts["vmap compared"] == 2, counts
+    assert counts["reverse refused (named)"] == 1 and counts["reverse compared with finite differences"] == 1, counts
