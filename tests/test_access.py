@@ -447,6 +447,22 @@ def grad_call_in_a_func(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=
     out[t] = repulsion(x[t, 0]) + x[t, n - 1]  # Warp makes no reverse call of a function that calls wp.grad
 
 
+@wp.func
+def repulsion_with_its_gradient(r: float):
+    return -wp.grad(softened_inverse)(r)
+
+
+@wp.func_grad(repulsion_with_its_gradient)
+def adj_repulsion_with_its_gradient(r: float, adj_ret: float):
+    wp.adjoint[r] += adj_ret * (-2.0) / ((r + 0.1) * (r + 0.1) * (r + 0.1))
+
+
+@wp.kernel
+def grad_call_in_a_func_with_its_gradient(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
+    t = wp.tid()
+    out[t] = repulsion_with_its_gradient(x[t, 0]) + x[t, n - 1]  # Warp skips even the @wp.func_grad
+
+
 @wp.kernel
 def tile_row_max(x: wp.array2d(dtype=float), out: wp.array(dtype=float)):
     i = wp.tid()
@@ -554,6 +570,8 @@ WARP_ADJOINT_WRONG = {  # kernel: (pure-JAX reference, what the refusal names)
     through_frac: (lambda x: jnp.mod(3.0 * x[:, 0], 1.0) + x[:, -1], "calls wp.frac (line"),
     through_grad_call: (lambda x: -1.0 / (x[:, 0] + 0.1) ** 2 + x[:, -1], "calls wp.grad(softened_inverse) (line"),
     grad_call_in_a_func: (lambda x: 1.0 / (x[:, 0] + 0.1) ** 2 + x[:, -1], "@wp.func 'repulsion' calls wp.grad"),
+    grad_call_in_a_func_with_its_gradient: (lambda x: 1.0 / (x[:, 0] + 0.1) ** 2 + x[:, -1],
+                                            "@wp.func 'repulsion_with_its_gradient' calls wp.grad"),
     loop_skips_with_continue: (lambda x: jnp.sum(jnp.where(x > 1.0, x * x, 2.0 * x), 1), "leaves an iteration early"),
     loop_reads_an_earlier_iteration: (lambda x: jax.vmap(_squares_of_last_big_doubled)(x), "changes 'v' and line"),
 }

@@ -643,6 +643,7 @@ class _AdjointWatch:
         self._problems: dict[int, list[str]] = {}  # id of a kernel's or function's Adjoint: its problems
         self._loops: list[ast.AST] = []
         self._dynamic: list[bool] = []  # per loop being generated: whether Warp emits it as a dynamic loop
+        self._grad_call_problems: dict[int, list[str]] = {}  # the wp.grad calls among them
 
     def _note(self, adj, problem: str | None) -> None:
         if problem is not None:
@@ -655,7 +656,11 @@ class _AdjointWatch:
         found, seen, todo = [], set(), [kernel_adj]
         while todo:
             adj = todo.pop()
-            if id(adj) in seen or adj.skip_reverse_codegen or adj.custom_reverse_mode:
+            if id(adj) in seen:
+                continue
+            if adj.skip_reverse_codegen or adj.custom_reverse_mode:
+                # Warp makes no reverse call of a function that calls wp.grad, its @wp.func_grad included
+                found += self._grad_call_problems.get(id(adj), [])
                 continue
             seen.add(id(adj))
             found += self._problems.get(id(adj), [])
@@ -712,8 +717,10 @@ class _AdjointWatch:
             return (output, resolved, bound) if return_resolved else output
 
         def on_add_grad_call(adj, func, args, kwargs):
-            if not adj.custom_reverse_mode:
-                watch._note(adj, _grad_call_problem(adj, func))
+            if not adj.custom_reverse_mode:  # (a @wp.func_grad may call wp.grad: it is an adjoint already)
+                problem = _grad_call_problem(adj, func)
+                watch._note(adj, problem)
+                watch._grad_call_problems.setdefault(id(adj), []).append(problem)
             return add_grad_call(adj, func, args, kwargs)
 
         add_call, add_grad_call = adjoint_class.add_call, adjoint_class.add_grad_call
