@@ -161,8 +161,9 @@ def check_launch(record, args, rng, counts: collections.Counter, failures: list)
         failures.append((kernel.key, "directional derivative vs central differences", slope, quotients))
 
 
-def run_program(program, inputs, limit=None):
-    """Replay ``program`` once on ``inputs``, checking each launch (the first ``limit``)."""
+def run_program(program, inputs, limit=None, part=(0, 1)):
+    """Replay ``program`` once on ``inputs``, checking each launch (the first ``limit``); ``part=(k, n)`` checks
+    the k-th of n interleaved shares of the kernels (so that pytest-xdist can check one program on several workers)."""
     rng = np.random.default_rng(0)
     counts: collections.Counter = collections.Counter()
     failures: list = []
@@ -174,6 +175,8 @@ def run_program(program, inputs, limit=None):
         if record.kernel in seen or (limit is not None and counts["launches"] >= limit):
             return
         seen.add(record.kernel)
+        if len(seen) % part[1] != part[0]:
+            return
         check_launch(record, args, rng, counts, failures)
 
     program._replay(inputs, on_launch=on_launch)
@@ -207,7 +210,10 @@ def test_newton_featherstone_launches():
     assert counts["launches"] >= 14 and counts["reverse compared"] >= 6, counts
 
 
-def test_mujoco_warp_step_launches():
+@pytest.mark.parametrize("half", [0, 1])
+def test_mujoco_warp_step_launches(half):
+    """The box's kernels in two interleaved halves (each compiles its kernels' twins: on a cold Warp cache the
+    whole set takes over a minute, which two workers then share)."""
     pytest.importorskip("mujoco_warp")
     from warpnn_models.mujoco import MujocoStep
 
@@ -216,9 +222,11 @@ def test_mujoco_warp_step_launches():
     mjm, mjd = start(BOX)
     with on_one_device():  # (on a GPU host: both on the GPU, where mujoco_warp's tile Cholesky compiles)
         step = MujocoStep(mjm, mjd)
-        counts, failures = run_program(step.program, step.program.initial_inputs())
+        counts, failures = run_program(step.program, step.program.initial_inputs(), part=(half, 2))
     assert failures == [], failures
-    assert counts["launches"] >= 50 and counts["vmap compared"] >= 50 and counts["reverse compared"] >= 25, counts
+    # (25 of the box's kernels differentiate: 15 in the first half, 10 in the second)
+    assert counts["launches"] >= 25 and counts["vmap compared"] >= 25, counts
+    assert counts["reverse compared"] >= (15, 10)[half], counts
 
 
 def test_warp_example_particle_repulsion_launches():
