@@ -142,11 +142,19 @@ def check_launch(record, args, rng, counts: collections.Counter, failures: list)
         return
     tape.backward(grads={by_name[n]: wp.array(cts[n], dtype=by_name[n].dtype) for n, _ in float_results})
     counts["reverse compared"] += 1
+    tape_mismatches = []
     for k, g in zip(floats, grads):
         name = params[k].label
         err = _rel(g, by_name[name].grad.numpy().reshape(np.shape(g)))
         if err > 1e-4:
-            failures.append((kernel.key, f"d/d'{name}' vs wp.Tape", err))
+            tape_mismatches.append((kernel.key, f"d/d'{name}' vs wp.Tape", err))
+    # wp.Tape replays a kernel that updates an array in place on the values it wrote (warp.examples' SPH
+    # `apply_bounds` clamps x in place and branches on x): there a mismatch is Warp's, if central differences
+    # side with warpnn; anywhere else it is a failure.
+    in_place = all(name.split("'")[1] in record.in_out_names for _, name, _ in tape_mismatches)
+    if not in_place:
+        failures += tape_mismatches
+        tape_mismatches = []
     # ... and against central differences along a random direction: wp.Tape runs Warp's same adjoint, so only this
     # sees where that adjoint itself is wrong (a builtin without one, a loop it replays wrongly).
     x = [jnp.asarray(args[k]) for k in floats]
@@ -159,6 +167,9 @@ def check_launch(record, args, rng, counts: collections.Counter, failures: list)
     counts["reverse compared with finite differences"] += 1
     if err > 2e-2:
         failures.append((kernel.key, "directional derivative vs central differences", slope, quotients))
+        failures += tape_mismatches
+    elif tape_mismatches:
+        counts["wp.Tape wrong in place (central differences side with warpnn)"] += 1
 
 
 def run_program(program, inputs, limit=None, part=(0, 1)):
@@ -245,3 +256,31 @@ def test_warp_example_particle_repulsion_launches():
     assert failures == [], failures
     assert counts["launches"] == 2 and counts["vmap compared"] == 2, counts
     assert counts["reverse refused (named)"] == 1 and counts["reverse compared with finite differences"] == 1, counts
+
+
+# warp.examples programs whose Example().step() traces as it is (state: every float array the Example holds;
+# host-side structures such as SPH's hash grid kept as built), with how many kernels each must differentiate.
+# Measured 2026-12-04 (CPU): launches checked; reverse compared; reverse refused: wave 3; 3; 0. SPH 5; 3; 2
+# (its in-place `apply_bounds`: wp.Tape's gradient is wrong there, central differences side with warpnn).
+# fdtd_3d 3; 2; 0 (one launch has no float input). tile n-body 1; 0; 1 (tile kernel).
+WARP_EXAMPLES = {"core.example_wave": 3, "core.example_sph": 3, "core.example_fdtd_3d": 2, "tile.example_tile_nbody": 0}
+
+
+@pytest.mark.parametrize("name", list(WARP_EXAMPLES))
+def test_warp_example_launches(name):
+    import importlib
+    import inspect
+
+    pytest.importorskip("warp.examples")
+    module = importlib.import_module(f"warp.examples.{name}")
+    with wp.ScopedDevice("cpu"):
+        parameters = inspect.signature(module.Example.__init__).parameters
+        sim = module.Example(**({"stage_path": None} if "stage_path" in parameters else {}))
+        sim.use_cuda_graph = False  # (a captured graph is refused inside a traced step)
+        state = {k: v for k, v in vars(sim).items()
+                 if isinstance(v, wp.array) and v.size and v.numpy().dtype.kind == "f"}
+        program = warpnn.trace(sim.step, state, state, frozen_host_ops=True)
+        counts, failures = run_program(program, program.initial_inputs())
+    assert failures == [], failures
+    assert counts["launches"] >= 1 and counts["vmap compared"] >= 1, counts
+    assert counts["reverse compared"] >= WARP_EXAMPLES[name], counts
