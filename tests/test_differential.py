@@ -1,5 +1,5 @@
-"""The differential test over real Warp code: every launch of Newton's and MuJoCo Warp's steps, as warpnn replays
-it, against Warp running the same kernel on the same values.
+"""The differential test over real Warp code: every launch of Newton's and MuJoCo Warp's steps and of warp.examples
+programs, as warpnn replays it, against Warp running the same kernel on the same values.
 
 A program is traced (warpnn.trace), then replayed once outside jit with each launch's arguments captured
 (``WarpProgram._replay(on_launch=...)``): real kernels with real inputs. For each launch:
@@ -15,9 +15,11 @@ without an adjoint (mujoco_warp builds most so) is differentiated by warpnn thro
 wp.Tape runs that same twin. Measured 2026-12-04 on the CPU (kernels; vmap compared; reverse compared against
 wp.Tape and central differences; reverse refused with the kernel named): Newton SemiImplicit cloth 6; 6; 6; 0.
 Newton Featherstone chain 14; 14; 7; 7. MuJoCo Warp box on a plane 57; 54; 25; 28 (the arm: 58; 55; 29; 25).
-0 mismatches. This test found the row-loop twin's lost adjoints (mujoco_warp's `_cfrc`: a store before a
-`return`) and, through central differences, builtins Warp has no adjoint for (`tile_cholesky_solve`). The whole programs
-(rollouts against the libraries' own loops) are in test_models_newton.py and test_models_mujoco.py.
+warp.examples: particle repulsion, wave, SPH, FDTD 3-D, tile n-body (below). 0 mismatches. This test found the
+`wp.grad` call Warp does not differentiate (particle repulsion), the row-loop twin's lost adjoints (mujoco_warp's
+`_cfrc`: a store before a `return`) and, through central differences, builtins Warp has no adjoint for
+(`tile_cholesky_solve`). The whole programs (rollouts against the libraries' own loops) are in
+test_models_newton.py and test_models_mujoco.py.
 """
 
 from __future__ import annotations
