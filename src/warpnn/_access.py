@@ -547,7 +547,8 @@ class CodegenFacts:
     ``access``: ``{parameter: (read, written)}`` for the array parameters (None where Warp cannot generate the
     kernel: its launch then reports why). ``adjoint_problems``: why Warp's adjoint of the kernel (or of a
     ``@wp.func`` whose generated adjoint it uses) would be silently wrong, one reason per place: a dynamic loop
-    (``_loop_problem``, ``_early_exit_problem``) or a call Warp has no adjoint for (``_adjointless_call_problem``).
+    (``_loop_problem``, ``_early_exit_problem``), a call Warp has no adjoint for (``_adjointless_call_problem``) or a
+    ``wp.grad`` call (``_grad_call_problem``).
     """
 
     access: dict[str, tuple[bool, bool]] | None
@@ -637,7 +638,8 @@ def codegen_facts(kernel) -> CodegenFacts:
 
 class _AdjointWatch:
     """Records, while Warp generates code, where each function's generated adjoint would be silently wrong: its
-    dynamic loops (the variables they change, early exits) and its calls of builtins without an adjoint."""
+    dynamic loops (the variables they change, early exits), its calls of builtins without an adjoint and its
+    ``wp.grad(f)`` calls (forward-only in Warp)."""
 
     def __init__(self):
         self._problems: dict[int, list[str]] = {}  # id of a kernel's or function's Adjoint: its problems
