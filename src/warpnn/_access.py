@@ -781,9 +781,7 @@ def _adjointless_call_problem(adj, func, args: list, output) -> str | None:
         _float_valued(a) and wp.types.is_tile(a.type) for a in args))
     if not changes_a_tile and not any(_float_valued(o) for o in outputs):
         return None  # integer, boolean or query results: nothing to differentiate
-    offset, function = _in_function(adj)
-    line = getattr(adj, "lineno", None)  # (the statement being generated: 0-based, one below the parsed source's)
-    where = f" (line {offset + 1 + line})" if isinstance(line, int) else ""
+    function, where = _in_function(adj)[1], _at_statement(adj)
     what = (f"wp.{func.key}" if callable_without_adjoint is None
             else f"wp.{func.key} with '{getattr(callable_without_adjoint, 'key', '?')}'")
     return (f"{function} calls {what}{where} on differentiable values, and Warp has no adjoint "
@@ -795,9 +793,7 @@ def _grad_call_problem(adj, func) -> str:
     through it, and a ``@wp.func`` that makes one gets no reverse call at all. Measured with wp.Tape: the gradient of
     ``wp.grad(f)(x)[0]`` for ``f(d) = 1 / (|d| + 0.1)`` was 0 where central differences give 0.76 (warp.examples'
     particle repulsion computes its forces so)."""
-    offset, function = _in_function(adj)
-    line = getattr(adj, "lineno", None)
-    where = f" (line {offset + 1 + line})" if isinstance(line, int) else ""
+    function, where = _in_function(adj)[1], _at_statement(adj)
     return (f"{function} calls wp.grad({getattr(func, 'key', func)}){where}: Warp's adjoint does not differentiate "
             "a gradient call (it is forward-only), so the gradient through it would be zero")
 
@@ -808,6 +804,12 @@ def _in_function(adj) -> tuple[int, str]:
     offset = int(getattr(adj, "fun_lineno", 1) or 1) - 1
     kind = "@wp.func " if getattr(adj, "is_user_function", False) else ""
     return offset, f"{kind}'{adj.fun_name}'"
+
+
+def _at_statement(adj) -> str:
+    """`` (line N)`` for the statement Warp is generating in ``adj``'s function (its file's line), or ``""``."""
+    line = getattr(adj, "lineno", None)  # (0-based, one below the parsed source's)
+    return f" (line {_in_function(adj)[0] + 1 + line})" if isinstance(line, int) else ""
 
 
 def _early_exit_problem(loop: ast.AST, adj) -> str | None:

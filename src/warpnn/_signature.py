@@ -196,7 +196,8 @@ class KernelSignature:
     def adjoint_problems(self) -> tuple[str, ...]:
         """Where Warp's adjoint of the kernel (or of a ``@wp.func`` it calls) would be silently wrong, one reason
         each (``_access.CodegenFacts``): dynamic loops whose adjoint depends on a carried value or that leave an
-        iteration early, while loops with anything differentiable in them, calls Warp has no adjoint for."""
+        iteration early, while loops with anything differentiable in them, calls Warp has no adjoint for, and
+        ``wp.grad`` calls (forward-only in Warp)."""
         return codegen_facts(self.kernel).adjoint_problems
 
     def reverse_refusal_reasons(self) -> list[str]:
