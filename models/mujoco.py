@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -128,6 +129,13 @@ class MujocoStep:
         import mujoco
         import mujoco_warp as mjw
 
+        try:
+            worlds = operator.index(nworld)  # (an int or a NumPy integer; not a float, not a bool)
+        except TypeError:
+            worlds = 0
+        if isinstance(nworld, bool) or worlds < 1:
+            raise ValueError(f"MujocoStep: nworld must be a positive int (the number of worlds), got {nworld!r}.")
+        nworld = worlds
         self.mjm = _load(model)
         swapped = sparse_jacobian and self.mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE
         if swapped:

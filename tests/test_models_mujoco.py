@@ -231,6 +231,9 @@ def test_worlds_step_together_as_in_mujoco_warp(arm):
         alone = run({**s0, "qvel": jnp.asarray(qvel[w:w + 1])}, ctrls[:, w:w + 1])
         np.testing.assert_allclose(np.asarray(final["qpos"][w:w + 1]), np.asarray(alone["qpos"]), rtol=0, atol=1e-6)
     assert np.abs(np.asarray(final["qpos"][0] - final["qpos"][2])).max() > 0.05  # the worlds differ
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match="nworld must be a positive int"):
+            MujocoStep(mjm, mjd, nworld=bad)
 
 
 def test_modules_equal_the_step(arm):
