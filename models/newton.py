@@ -105,9 +105,14 @@ class NewtonStep:
         self.param_fields = tuple(param_fields)
         self._state_in, self._state_out = model.state(), model.state()
         self._control = model.control()
-        # A solver's own step counters: accepted where its launches provably do not depend on them (Featherstone
-        # updating its mass matrix every step); any other Python state the step changes is refused by the trace.
-        python_state = ("_step", "_mass_matrix_dirty") if getattr(solver, "update_mass_matrix_interval", 1) == 1 else ()
+        # A solver's own Python state that its step changes, accepted where the launches provably do not depend on
+        # it: Featherstone's step counters when it updates its mass matrix every step, and the revision of the Warp
+        # module options every Newton solver re-applies at the start of a step once another solver has set its own
+        # (a cache flag: the options are applied to the modules while tracing, and the recorded kernels are those
+        # compiled with them). Any other Python state the step changes is refused by the trace.
+        python_state = ("_applied_module_options_revision",)
+        if getattr(solver, "update_mass_matrix_interval", 1) == 1:
+            python_state += ("_step", "_mass_matrix_dirty")
 
         def trace(fields):
             self.state_fields = fields
