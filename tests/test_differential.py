@@ -348,7 +348,7 @@ def test_warp_example_launches(name):
     pytest.importorskip("warp.examples")
     module = importlib.import_module(f"warp.examples.{name}")
     arguments, step_arguments, expected = WARP_EXAMPLES[name]
-    with wp.ScopedDevice("cpu"):
+    with on_one_device():  # (the GPU on a GPU host: the Examples' own device)
         parameters = inspect.signature(module.Example.__init__).parameters
         sim = module.Example(**arguments, **({"stage_path": None} if "stage_path" in parameters else {}))
         sim.use_cuda_graph = False  # (a captured graph is refused inside a traced step)
