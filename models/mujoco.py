@@ -197,20 +197,9 @@ class MujocoStep:
         installed package untouched. The stage is the mujoco_warp module (``smooth``, ``forward``, ``passive``,
         ``constraint``, ``solver``, ``collision_*``, ...).
         """
-        # The bridge's analysis of a kernel (one source of truth) over the recorded launches.
-        from warpnn._signature import signature_of
-
-        refused: dict[str, str] = {}
-        for op in self.program.launches():
-            if op.kernel.key in refused:
-                continue
-            kernel = op.kernel
-            sig = signature_of(kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
-            reasons = sig.reverse_refusal_reasons()
-            if reasons:
-                stage = getattr(kernel.func, "__module__", "?").rsplit(".", 1)[-1]
-                refused[kernel.key] = f"{stage}: " + "; ".join(reasons)
-        return refused
+        kernels = {op.kernel.key: op.kernel for op in self.program.launches()}
+        return {key: f"{getattr(kernels[key].func, '__module__', '?').rsplit('.', 1)[-1]}: {why}"
+                for key, why in self.program.reverse_refusals().items()}
 
     def initial_state(self) -> dict[str, jax.Array]:
         """The ``data`` given (or the model's default state) as the ``state`` pytree."""

@@ -614,7 +614,10 @@ def test_a_loop_under_a_custom_gradient_is_not_judged():
 
 
 @pytest.mark.parametrize("kernel", list(WARP_ADJOINT_WRONG), ids=lambda k: k.key)
-def test_kernels_whose_warp_adjoint_is_wrong_are_refused_naming_the_place(kernel):
+def test_kernels_whose_warp_adjoint_is_wrong_are_refused_naming_the_place(kernel, monkeypatch):
+    """(With the unrolling limit below the loops' 4 iterations: the loops over the argument `n` differentiate through
+    their unrolled twin by default, tests/test_unrolled.py.)"""
+    monkeypatch.setenv("WARPNN_MAX_UNROLL", "2")
     ref, named = WARP_ADJOINT_WRONG[kernel]
     x = jnp.asarray(_LOOP_X)
     call = _loop_call(kernel)
@@ -646,7 +649,9 @@ def test_a_tile_builtin_without_adjoint_is_a_problem_of_the_kernel():
 
 @pytest.mark.parametrize("kernel, exit", [(loop_stops_with_break, "break"), (loop_returns_from_the_thread, "return")],
                          ids=["break", "return"])
-def test_a_loop_that_stops_early_is_refused(kernel, exit):
+def test_a_loop_that_stops_early_is_refused(kernel, exit, monkeypatch):
+    """(A `return` from a loop Warp unrolls is straight-line code: unrolled by default, tests/test_unrolled.py.)"""
+    monkeypatch.setenv("WARPNN_MAX_UNROLL", "2")
     f = warpnn.jax_kernel(kernel, num_outputs=1)
     x = jnp.asarray(_LOOP_X)
     # (the elements after the exit keep the zeros the output starts from)

@@ -8,7 +8,8 @@ A program is traced (warpnn.trace), then replayed once outside jit with each lau
 * reverse: ``jax.vjp`` against ``wp.Tape`` with the same random cotangents (1e-4 relative), and the directional
   derivative along a random direction against central differences (2e-2), wherever warpnn differentiates the
   kernel; where it refuses, the refusal must be a TypeError naming the kernel (never zeros);
-* vmap: two perturbed copies batched against two calls.
+* vmap: two perturbed copies batched against two calls;
+* CPU threads: the forward and the gradient with every launch split over 3 threads, against one (on the CPU).
 
 A struct argument is built as the Warp struct for wp.launch and held fixed (compared forward and in vmap; the
 gradient is taken w.r.t. the kernel's other float arrays). Where the central differences at three step sizes disagree
@@ -38,6 +39,8 @@ import pytest
 import warp as wp
 
 import warpnn
+from warpnn import _batched
+from warpnn._launch import LAUNCHER
 from warpnn._twins import with_adjoint
 
 from .helpers import on_one_device
@@ -67,6 +70,22 @@ def _warp_struct(struct_type, fields: dict):
             field = None if field is None else wp.array(np.asarray(field), dtype=var.type.dtype)
         setattr(value, name, field)
     return value
+
+
+def _on_cpu_threads(compute):
+    """``compute()`` with every CPU launch split over 3 worker threads (None where launches are not the native CPU
+    handler's): the same kernels, atomics and scatters summed per thread and then together."""
+    if LAUNCHER.name != "native" or jax.default_backend() != "cpu":
+        return None
+    twins = LAUNCHER.impl.twins
+    saved = _batched._LAUNCH_CONFIG.get()
+    twins.set_cpu_threads(3, 1)
+    jax.clear_caches()  # (each lowering keeps the thread decision it was made with)
+    try:
+        return jax.tree.map(np.asarray, compute())
+    finally:
+        twins.set_cpu_threads(*saved)
+        jax.clear_caches()
 
 
 def _rel(a, b) -> float:
@@ -163,6 +182,15 @@ def check_launch(record, args, rng, counts: collections.Counter, failures: list)
         return
     tape.backward(grads={by_name[n]: wp.array(cts[n], dtype=by_name[n].dtype) for n, _ in float_results})
     counts["reverse compared"] += 1
+    # CPU threads on: the forward and the gradient with each launch split over several threads, against one thread
+    threaded = _on_cpu_threads(lambda: (run(args), jax.grad(loss, argnums=tuple(range(len(floats))))(
+        *[args[k] for k in floats])))
+    if threaded is not None:
+        for what, got, want in [*(("forward", g, w) for g, w in zip(threaded[0], results) if g is not None),
+                                *(("gradient", g, w) for g, w in zip(threaded[1], grads))]:
+            if _rel(got, want) > 1e-5:
+                failures.append((kernel.key, f"{what} with CPU threads on", _rel(got, want)))
+        counts["CPU threads compared"] += 1
     tape_mismatches = []
     for k, g in zip(floats, grads):
         name = params[k].label

@@ -17,7 +17,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _checked, _cuda_graphs, _measured, _pruned, _sharding, _spread, _twins
+from . import _checked, _cuda_graphs, _measured, _pruned, _sharding, _spread, _twins, _unrolled
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
@@ -115,8 +115,9 @@ FORWARD_ONLY_MESSAGE = (
 REVERSE_PROBLEM_MESSAGE = "Kernel '{key}' cannot be differentiated: {problems}. The forward pass works as it is."
 LOOP_ADVICE = (
     " To differentiate, let a dynamic loop's carried variables only accumulate (`total += term`, the term free of "
-    "other carried variables), unroll a short loop with a constant range (`for i in range(3)`), or keep the "
-    "loop's partial results in an array (one element per iteration) instead of a variable."
+    "other carried variables), bound the loop by an int argument of the kernel or an array's shape (`range(n)`, "
+    "`range(x.shape[0])`: warpnn unrolls such a loop for the adjoint, up to $WARPNN_MAX_UNROLL iterations), or keep "
+    "the loop's partial results in an array (one element per iteration) instead of a variable."
 )
 IN_PLACE_ADVICE = (
     " Warp's adjoint replays the kernel against the values its arrays had before the launch, which is only right "
@@ -857,12 +858,15 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         return (None,) * len(sig.array_inputs)  # nothing to differentiate, or a zero cotangent: zero adjoints
     if not plan.differentiable:
         raise TypeError(FORWARD_ONLY_MESSAGE.format(key=sig.key))
-    reasons = sig.reverse_refusal_reasons()
+    # A kernel whose only problems are loops over its scalar arguments or its arrays' shapes differentiates
+    # through its twin with this call's values as constants, where Warp unrolls those loops (_unrolled.py).
+    sig, reasons = _unrolled.adjoint_signature(sig, dict(plan.scalars), _array_shapes(plan, arrays))
     if reasons:
         in_place = any(sig.uses[n].in_place_problem() is not None for n in sig.reverse_problems)
         loops = any("loop" in problem for problem in sig.adjoint_problems)
         raise TypeError(REVERSE_PROBLEM_MESSAGE.format(key=sig.key, problems="; ".join(reasons))
                         + (IN_PLACE_ADVICE if in_place else "") + (LOOP_ADVICE if loops else ""))
+    plan = dataclasses.replace(plan, sig=sig)
     if not sig.has_adjoint:
         # Compiled without an adjoint (enable_backward=False on the kernel or its module, as mujoco_warp builds
         # most of its modules): the adjoint comes from a twin of the same source built with one (_twins.py).

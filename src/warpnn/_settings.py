@@ -122,6 +122,9 @@ _SETTINGS = (
           "slice writes; off: whole partial buffers", "when a kernel is first registered"),
     Setting("WARPNN_CPU_SPIN_US", "int", 100, "microseconds a CPU launch's threads poll for work before sleeping",
             "at the first call", minimum=0),
+    Setting("WARPNN_MAX_UNROLL", "int", 64, "iterations up to which the adjoint of a loop whose bound is a scalar "
+            "argument or an array's shape is unrolled (longer loops: reverse mode refuses the kernel)",
+            "while lowering", minimum=1, maximum=4096),
     Setting("WARPNN_CPU_PROFILE", "choice", False, "count where the CPU handlers' time goes "
             "(read with warpnn._launch.LAUNCHER.impl.twins.cpu_profile())", "at the first call",
             choices={"0": False, "1": True}),

@@ -45,7 +45,8 @@ import warp as wp
 
 from ._batched import with_parameters_merged, with_parameters_reordered
 from ._bridge import jax_kernel
-from ._signature import fully_written, kernel_array_uses
+from ._signature import fully_written, kernel_array_uses, signature_of
+from ._unrolled import adjoint_signature
 
 # What the tracer refuses, with the fix. Module constants so that tests and docs can refer to them.
 HOST_READ_MESSAGE = (
@@ -277,6 +278,25 @@ class WarpProgram:
                 "the device, so the program replays only where it was traced. Fix: trace on the device you replay on (create the Warp "
                 f"arrays there, e.g. with wp.ScopedDevice), or replay under jax.default_device on the {self._platform.upper()}."
             )
+
+    def reverse_refusals(self) -> dict[str, str]:
+        """The recorded kernels that reverse mode refuses, ``{kernel key: why}``: what ``jax.grad`` through the
+        program raises at the first of them it meets, backwards from the outputs (a ``TypeError`` naming the
+        kernel and the same reasons). The bridge's own decision, with each launch's scalar arguments and shapes
+        (which may let a loop be unrolled for the adjoint, ``warpnn._unrolled``); a kernel is listed if any of its
+        launches is refused."""
+        refused: dict[str, str] = {}
+        for op in self._ops:
+            if not isinstance(op, _Launch) or op.kernel.key in refused:
+                continue
+            sig = signature_of(op.kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
+            names = [spec.name for spec in sig.inputs]
+            scalars = {n: v for n, (kind, v) in zip(names, op.inputs) if kind == "scalar"}
+            shapes = {n: self._arrays[v].shape for n, (kind, v) in zip(names, op.inputs) if kind == "array"}
+            _, reasons = adjoint_signature(sig, scalars, {**shapes, **dict(op.output_dims)})
+            if reasons:
+                refused[op.kernel.key] = "; ".join(reasons)
+        return refused
 
     def launches(self) -> tuple[LaunchRecord, ...]:
         """The recorded kernel launches, in order: what each replays (see :class:`LaunchRecord`)."""

@@ -39,12 +39,14 @@ def twin_of(kernel, kind: str, *, key: str, func=None, code_transformers=(), mod
                      source=kernel.adj.source)  # the source the kernel was built from (it may be generated)
 
 
-def kernel_from_source(kernel, source: str, name: str, annotations: dict, key: str, kind: str):
+def kernel_from_source(kernel, source: str, name: str, annotations: dict, key: str, kind: str, *,
+                       options: dict | None = None, module_options: dict | None = None):
     """A twin built from ``source`` (a function ``name`` whose parameters are ``annotations``' keys, in order),
-    resolving names as ``kernel`` does (plus ``warpnn_wp``), with ``kernel``'s options."""
+    resolving names as ``kernel`` does (plus ``warpnn_wp``), with ``kernel``'s options (``options`` over them)."""
     func = _stub_function(kernel.func, name, list(annotations))
     func.__annotations__ = dict(annotations)
-    return wp.Kernel(func, key=key, module=twin_module(kernel, kind), options=dict(kernel.options), source=source)
+    return wp.Kernel(func, key=key, module=twin_module(kernel, kind, module_options=module_options),
+                     options={**kernel.options, **(options or {})}, source=source)
 
 
 def _stub_function(original, name: str, params: list[str]):
