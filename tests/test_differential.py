@@ -39,8 +39,9 @@ import pytest
 import warp as wp
 
 import warpnn
-from warpnn import _batched
+from warpnn import _batched, _unrolled
 from warpnn._launch import LAUNCHER
+from warpnn._signature import signature_of
 from warpnn._twins import with_adjoint
 
 from .helpers import on_one_device
@@ -72,6 +73,19 @@ def _warp_struct(struct_type, fields: dict):
     return value
 
 
+def _adjoint_kernel(record, args, results):
+    """The kernel whose adjoint warpnn launches for this launch: its twin with the launch's loops unrolled
+    (``_unrolled``) where that is what differentiates it, else the kernel (or its twin rebuilt with an adjoint)."""
+    sig = signature_of(record.kernel, record.num_outputs, list(record.in_out_names), record.block_dim)
+    params = record.kernel.adj.args
+    scalars = {p.label: a for p, a in zip(params, args) if not wp.types.is_array(p.type) and not isinstance(a, dict)}
+    shapes = {p.label: np.shape(a) for p, a in zip(params, args) if wp.types.is_array(p.type) and a is not None}
+    shapes.update({name: np.shape(r) for name, r in zip(
+        [*record.in_out_names, *(p.label for p in params[len(args):])], results)})
+    adjoint_sig, _ = _unrolled.adjoint_signature(sig, scalars, shapes)
+    return adjoint_sig.kernel if _unrolled.is_unrolled(adjoint_sig.kernel) else with_adjoint(record.kernel)
+
+
 def _on_cpu_threads(compute):
     """``compute()`` with every CPU launch split over 3 worker threads (None where launches are not the native CPU
     handler's): the same kernels, atomics and scatters summed per thread and then together."""
@@ -99,8 +113,9 @@ def _rel(a, b) -> float:
 AT_A_BRANCH_POINT = {("_gravity_force__locals__kernel", "body_gravcomp")}
 
 
-def check_launch(record, args, rng, counts: collections.Counter, failures: list) -> None:
-    """Compare one recorded launch, replayed by warpnn, with Warp running it (forward, wp.Tape, vmap)."""
+def check_launch(record, args, rng, counts: collections.Counter, failures: list, threaded_checks: list) -> None:
+    """Compare one recorded launch, replayed by warpnn, with Warp running it (forward, wp.Tape, vmap); append to
+    ``threaded_checks`` its forward and gradient to compute again with CPU threads on."""
     kernel = record.kernel
     params = kernel.adj.args
     if any(isinstance(a, dict) for a in args):  # (a struct's fields are held fixed: compared forward and in vmap)
@@ -133,9 +148,10 @@ def check_launch(record, args, rng, counts: collections.Counter, failures: list)
             warp_args.append(wp.array(a, dtype=p.type.dtype, requires_grad=float_array))
     by_name = {p.label: w for p, w in zip(params, warp_args)}
     tape = wp.Tape()
-    with tape:  # (a kernel compiled without an adjoint: Warp runs the twin warpnn differentiates, same source)
-        wp.launch(with_adjoint(kernel), record.dims, inputs=warp_args[: len(args)], outputs=warp_args[len(args):],
-                  block_dim=record.block_dim or 256)
+    with tape:  # (Warp runs the kernel whose adjoint warpnn launches: the twin rebuilt with an adjoint, same source,
+        # or the one with this launch's loops unrolled)
+        wp.launch(_adjoint_kernel(record, args, results), record.dims, inputs=warp_args[: len(args)],
+                  outputs=warp_args[len(args):], block_dim=record.block_dim or 256)
     for name, r in zip(result_names, results):
         if by_name[name] is not None:
             err = _rel(r, by_name[name].numpy().reshape(np.shape(r)))
@@ -182,15 +198,10 @@ def check_launch(record, args, rng, counts: collections.Counter, failures: list)
         return
     tape.backward(grads={by_name[n]: wp.array(cts[n], dtype=by_name[n].dtype) for n, _ in float_results})
     counts["reverse compared"] += 1
-    # CPU threads on: the forward and the gradient with each launch split over several threads, against one thread
-    threaded = _on_cpu_threads(lambda: (run(args), jax.grad(loss, argnums=tuple(range(len(floats))))(
-        *[args[k] for k in floats])))
-    if threaded is not None:
-        for what, got, want in [*(("forward", g, w) for g, w in zip(threaded[0], results) if g is not None),
-                                *(("gradient", g, w) for g, w in zip(threaded[1], grads))]:
-            if _rel(got, want) > 1e-5:
-                failures.append((kernel.key, f"{what} with CPU threads on", _rel(got, want)))
-        counts["CPU threads compared"] += 1
+    # CPU threads on: the forward and the gradient with each launch split over several threads, against one
+    # (run for all the program's launches at once, after its replay: see run_program)
+    threaded_checks.append((kernel.key, lambda: (run(args), jax.grad(loss, argnums=tuple(range(len(floats))))(
+        *[args[k] for k in floats])), (results, grads)))
     tape_mismatches = []
     for k, g in zip(floats, grads):
         name = params[k].label
@@ -244,9 +255,18 @@ def run_program(program, inputs, limit=None, part=(0, 1)):
         seen.add(record.kernel)
         if len(seen) % part[1] != part[0]:
             return
-        check_launch(record, args, rng, counts, failures)
+        check_launch(record, args, rng, counts, failures, threaded_checks)
 
+    threaded_checks: list = []
     program._replay(inputs, on_launch=on_launch)
+    # (JAX's caches keep each lowering's thread decision: one switch for the whole program, not one per launch)
+    threaded = _on_cpu_threads(lambda: [compute() for _, compute, _ in threaded_checks])
+    for (key, _, expected), got in zip(threaded_checks, threaded or ()):
+        for what, values, wants in zip(("forward", "gradient"), got, expected):
+            for value, want in zip(values, wants):
+                if value is not None and _rel(value, want) > 1e-5:
+                    failures.append((key, f"{what} with CPU threads on", _rel(value, want)))
+        counts["CPU threads compared"] += 1
     return counts, failures
 
 
