@@ -61,3 +61,24 @@ def once_per_run(tmp_path_factory, name: str, compute):
         result = compute()
         path.write_text(json.dumps(result))
         return result
+
+
+def on_cpu_threads(compute):
+    """``compute()`` with every CPU launch split over 3 worker threads (None where launches are not the native CPU
+    handler's): the same kernels, atomics and scatters summed per thread and then together."""
+    import jax
+
+    from warpnn import _batched
+    from warpnn._launch import LAUNCHER
+
+    if LAUNCHER.name != "native" or jax.default_backend() != "cpu":
+        return None
+    twins = LAUNCHER.impl.twins
+    saved = _batched._LAUNCH_CONFIG.get()
+    twins.set_cpu_threads(3, 1)
+    jax.clear_caches()  # (each lowering keeps the thread decision it was made with)
+    try:
+        return jax.tree.map(np.asarray, compute())
+    finally:
+        twins.set_cpu_threads(*saved)
+        jax.clear_caches()

@@ -39,12 +39,11 @@ import pytest
 import warp as wp
 
 import warpnn
-from warpnn import _batched, _unrolled
-from warpnn._launch import LAUNCHER
+from warpnn import _unrolled
 from warpnn._signature import signature_of
 from warpnn._twins import with_adjoint
 
-from .helpers import on_one_device
+from .helpers import on_cpu_threads, on_one_device
 
 newton = pytest.importorskip("newton")
 
@@ -84,22 +83,6 @@ def _adjoint_kernel(record, args, results):
         [*record.in_out_names, *(p.label for p in params[len(args):])], results)})
     adjoint_sig, _ = _unrolled.adjoint_signature(sig, scalars, shapes)
     return adjoint_sig.kernel if _unrolled.is_unrolled(adjoint_sig.kernel) else with_adjoint(record.kernel)
-
-
-def _on_cpu_threads(compute):
-    """``compute()`` with every CPU launch split over 3 worker threads (None where launches are not the native CPU
-    handler's): the same kernels, atomics and scatters summed per thread and then together."""
-    if LAUNCHER.name != "native" or jax.default_backend() != "cpu":
-        return None
-    twins = LAUNCHER.impl.twins
-    saved = _batched._LAUNCH_CONFIG.get()
-    twins.set_cpu_threads(3, 1)
-    jax.clear_caches()  # (each lowering keeps the thread decision it was made with)
-    try:
-        return jax.tree.map(np.asarray, compute())
-    finally:
-        twins.set_cpu_threads(*saved)
-        jax.clear_caches()
 
 
 def _rel(a, b) -> float:
@@ -260,7 +243,7 @@ def run_program(program, inputs, limit=None, part=(0, 1)):
     threaded_checks: list = []
     program._replay(inputs, on_launch=on_launch)
     # (JAX's caches keep each lowering's thread decision: one switch for the whole program, not one per launch)
-    threaded = _on_cpu_threads(lambda: [compute() for _, compute, _ in threaded_checks])
+    threaded = on_cpu_threads(lambda: [compute() for _, compute, _ in threaded_checks])
     for (key, _, expected), got in zip(threaded_checks, threaded or ()):
         for what, values, wants in zip(("forward", "gradient"), got, expected):
             for value, want in zip(values, wants):

@@ -14,7 +14,7 @@ import warpnn
 from warpnn import _unrolled
 from warpnn._signature import signature_of
 
-from .helpers import assert_close
+from .helpers import assert_close, on_cpu_threads
 from .test_access import (
     WARP_ADJOINT_WRONG,
     _LOOP_X,
@@ -74,7 +74,12 @@ def _softmax_weighted(x):
     return jnp.sum(jax.nn.softmax(x, axis=1) * x, axis=1)
 
 
-def test_a_loop_over_an_arrays_shape_differentiates_and_vmaps():
+@pytest.mark.parametrize("batched", ["auto", "twin"])
+def test_a_loop_over_an_arrays_shape_differentiates_and_vmaps(batched, monkeypatch):
+    """Under vmap (``batched="twin"``: the batched twins on the CPU too) and with CPU threads on, the adjoint's
+    twins are built from the unrolled twin's source: the same gradient."""
+    monkeypatch.setenv("WARPNN_BATCHED_LAUNCH", batched)
+    jax.clear_caches()
     f = warpnn.jax_kernel(softmax_weighted, num_outputs=1)
     call = lambda x: f(x, launch_dims=x.shape[0], output_dims=x.shape[0])[0]  # noqa: E731
     x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 5)), jnp.float32)
@@ -93,6 +98,9 @@ def test_a_loop_over_an_arrays_shape_differentiates_and_vmaps():
     # another shape is another twin
     y = x[:, :3]
     assert_close(grad(y), want(y))
+    threaded = on_cpu_threads(lambda: jax.grad(lambda x: (call(x) * jnp.arange(1.0, 4.0)).sum())(x))
+    if threaded is not None:
+        assert_close(threaded, want(x))
 
 
 @wp.kernel(enable_backward=False)
