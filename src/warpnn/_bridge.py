@@ -17,7 +17,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _checked, _cuda_graphs, _measured, _pruned, _sharding, _spread, _twins, _unrolled
+from . import _checked, _cuda_graphs, _measured, _pruned, _sharding, _spread, _twins, _unrolled, _value_args
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
@@ -209,8 +209,11 @@ class WarpKernel:
     def __init__(self, kernel, options: _KernelOptions):
         if not isinstance(options, _KernelOptions):
             raise TypeError(CONSTRUCTOR_MESSAGE)
-        self.signature = signature_of(kernel, options.num_outputs, options.in_out_argnames, options.block_dim)
+        # (vector, matrix, quaternion and transform values: passed as their components to a twin, _value_args.py)
+        self.signature = signature_of(_value_args.with_components(kernel), options.num_outputs,
+                                      options.in_out_argnames, options.block_dim)
         self.kernel = kernel
+        self._value_params = _value_args.value_params(kernel)
         self.num_outputs = options.num_outputs
         self.vmap_method = _check_vmap_method(options.vmap_method, self.signature)
         self.in_out_argnames = self.signature.in_out_names
@@ -249,6 +252,15 @@ class WarpKernel:
         """
         sig = self.signature
         _check_vmap_method(vmap_method, sig)
+        if self._value_params:
+            params = self.kernel.adj.args[: len(sig.inputs) - sum(
+                len(_value_args.component_names(n, t)) - 1 for n, t in self._value_params.items())]
+            if len(args) != len(params):
+                raise TypeError(
+                    f"Kernel '{sig.key}' takes {len(params)} inputs {[p.label for p in params]} (its outputs "
+                    f"{list(sig.output_names)} are returned, not passed), but was called with {len(args)}."
+                )
+            args = tuple(_value_args.expand(self.kernel, args))
         arrays, scalars, nulls = _check_inputs(sig, args)
         call_sig = sig.variant(null_inputs=nulls)
         dims = launch_dims if launch_dims is not None else self.launch_dims

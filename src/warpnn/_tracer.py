@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
+from . import _value_args
 from ._batched import with_parameters_merged, with_parameters_reordered
 from ._bridge import jax_kernel
 from ._signature import fully_written, kernel_array_uses, signature_of
@@ -523,6 +524,10 @@ class _Recorder:
                     key=kernel.key, pairs=", ".join(f"'{d}' and '{k}'" for d, k in merged), why=f" ({e})")) from e
             dropped = {d for d, _ in merged}
             args = [a for p, a in zip(params, args) if p.label not in dropped]
+            params = kernel.adj.args
+        if _value_args.value_params(kernel):  # wp.vec3 (...) values: the twin taking their components
+            args = _value_args.expand(kernel, args)
+            kernel = _value_args.with_components(kernel)
             params = kernel.adj.args
         uses = kernel_array_uses(kernel)
         is_array = [p.label in uses for p in params]
