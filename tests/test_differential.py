@@ -9,7 +9,8 @@ A program is traced (warpnn.trace), then replayed once outside jit with each lau
   derivative along a random direction against central differences (2e-2), wherever warpnn differentiates the
   kernel; where it refuses, the refusal must be a TypeError naming the kernel (never zeros);
 * vmap: two perturbed copies batched against two calls;
-* CPU threads: the forward and the gradient with every launch split over 3 threads, against one (on the CPU).
+* CPU threads (Newton's cloth solvers and SPH, whose kernels scatter with atomics): the forward and the gradient
+  with every launch split over 3 threads, against one (on the CPU).
 
 A struct argument is built as the Warp struct for wp.launch and held fixed (compared forward and in vmap; the
 gradient is taken w.r.t. the kernel's other float arrays). Where the central differences at three step sizes disagree
@@ -222,9 +223,11 @@ def check_launch(record, args, rng, counts: collections.Counter, failures: list,
         counts["wp.Tape wrong in place (central differences side with warpnn)"] += 1
 
 
-def run_program(program, inputs, limit=None, part=(0, 1)):
+def run_program(program, inputs, limit=None, part=(0, 1), cpu_threads=False):
     """Replay ``program`` once on ``inputs``, checking each launch (the first ``limit``); ``part=(k, n)`` checks
-    the k-th of n interleaved shares of the kernels (so that pytest-xdist can check one program on several workers)."""
+    the k-th of n interleaved shares of the kernels (so that pytest-xdist can check one program on several workers).
+    ``cpu_threads``: also compare each launch's forward and gradient with CPU threads on (it recompiles every
+    kernel's calls: on for the programs whose kernels scatter with atomics, Newton's cloth solvers and SPH)."""
     rng = np.random.default_rng(0)
     counts: collections.Counter = collections.Counter()
     failures: list = []
@@ -243,7 +246,7 @@ def run_program(program, inputs, limit=None, part=(0, 1)):
     threaded_checks: list = []
     program._replay(inputs, on_launch=on_launch)
     # (JAX's caches keep each lowering's thread decision: one switch for the whole program, not one per launch)
-    threaded = on_cpu_threads(lambda: [compute() for _, compute, _ in threaded_checks])
+    threaded = on_cpu_threads(lambda: [compute() for _, compute, _ in threaded_checks]) if cpu_threads else None
     for (key, _, expected), got in zip(threaded_checks, threaded or ()):
         for what, values, wants in zip(("forward", "gradient"), got, expected):
             for value, want in zip(values, wants):
@@ -260,9 +263,10 @@ def test_newton_semi_implicit_cloth_launches():
 
     model, solver, contacts = cloth_scene()
     step = NewtonStep(model, solver, DT, contacts=contacts, control_fields=("particle_f",), param_fields=PARAMS)
-    counts, failures = run_program(step.program, step.program.initial_inputs())
+    counts, failures = run_program(step.program, step.program.initial_inputs(), cpu_threads=True)
     assert failures == [], failures
     assert counts["launches"] >= 6 and counts["reverse compared"] >= 6 and counts["vmap compared"] >= 6, counts
+    assert counts["CPU threads compared"] == counts["reverse compared"] or jax.default_backend() != "cpu", counts
 
 
 def test_newton_xpbd_cloth_launches():
@@ -272,7 +276,7 @@ def test_newton_xpbd_cloth_launches():
 
     model, solver, contacts = cloth_scene(solver="xpbd")
     step = NewtonStep(model, solver, DT, contacts=contacts)
-    counts, failures = run_program(step.program, step.program.initial_inputs())
+    counts, failures = run_program(step.program, step.program.initial_inputs(), cpu_threads=True)
     assert failures == [], failures
     # (5 kernels, all compared forward and in vmap; XPBD's spring and bending constraints accumulate their
     # multipliers in place, read back in the same launch: refused in reverse mode, the other 3 compared)
@@ -287,7 +291,7 @@ def test_newton_vbd_cloth_launches():
 
     model, solver = vbd_cloth()
     step = NewtonStep(model, solver, DT)
-    counts, failures = run_program(step.program, step.program.initial_inputs())
+    counts, failures = run_program(step.program, step.program.initial_inputs(), cpu_threads=True)
     assert failures == [], failures
     # (4 kernels, compared forward and in vmap, the elasticity solve with its adjacency struct; 3 update positions
     # or displacements in place and read them back in the same launch, refused in reverse mode; `update_velocity`
@@ -387,7 +391,7 @@ def test_warp_example_launches(name):
         state = {k: v for k, v in vars(sim).items()
                  if isinstance(v, wp.array) and v.size and v.numpy().dtype.kind == "f"}
         program = warpnn.trace(lambda: getattr(sim, method)(*step_arguments), state, state, frozen_host_ops=True)
-        counts, failures = run_program(program, program.initial_inputs())
+        counts, failures = run_program(program, program.initial_inputs(), cpu_threads=name == "core.example_sph")
     launches, compared, not_converging, refused = expected
     assert failures == [], failures
     assert counts["launches"] == launches and counts["vmap compared"] >= min(1, compared + refused), counts

@@ -41,7 +41,10 @@ def value_type_name(warp_type) -> str | None:
 
 
 def value_params(kernel) -> dict[str, Any]:
-    """``kernel``'s parameters passed by value as a vector, matrix, quaternion or transform: ``{name: type}``."""
+    """``kernel``'s parameters passed by value as a vector, matrix, quaternion or transform: ``{name: type}`` (none
+    for anything but a Warp kernel, which the bridge then names)."""
+    if not isinstance(kernel, wp.Kernel):
+        return {}
     return {p.label: p.type for p in kernel.adj.args if value_type_name(p.type) is not None}
 
 
