@@ -11,6 +11,8 @@ newton = pytest.importorskip("newton")
 from warpnn import _batched  # noqa: E402
 from warpnn_models.newton import NewtonStep, equinox_module, nnx_module, rollout  # noqa: E402
 
+from .test_differential import run_program  # noqa: E402
+
 T, DT = 100, 1e-3
 
 
@@ -199,6 +201,14 @@ def test_xpbd_forward_equals_newton():
     threads, min_work = _batched.cpu_thread_config()
     tolerance = 1e-6 if threads == 1 or min_work >= model.particle_count else 1e-5
     assert np.abs(np.asarray(final["particle_q"]) - states[T].particle_q.numpy()).max() <= tolerance
+    # Each kernel of the step against Warp running it (tests/test_differential.py), with CPU threads on too: 5
+    # kernels, all compared forward and in vmap; the spring and bending constraints accumulate their multipliers in
+    # place and read them back in the same launch: refused in reverse mode, the other 3 compared.
+    counts, failures = run_program(step.program, step.program.initial_inputs(), cpu_threads=True)
+    assert failures == [], failures
+    assert counts["launches"] == 5 and counts["vmap compared"] == 5, counts
+    assert counts["reverse compared"] == 3 and counts["reverse refused (named)"] == 2, counts
+    assert counts["CPU threads compared"] == 3 or jax.default_backend() != "cpu", counts
 
 
 def test_refusals_are_clear():
@@ -346,3 +356,10 @@ def test_vbd_forward_equals_newton():
         solver.step(states[t], states[t + 1], None, None, DT)
     assert np.abs(np.asarray(final["particle_q"]) - states[20].particle_q.numpy()).max() <= 1e-6
     assert np.abs(states[20].particle_q.numpy() - states[0].particle_q.numpy()).max() > 1e-3  # it moved
+    # Each kernel of the step against Warp running it (tests/test_differential.py): 4, compared forward and in vmap,
+    # the elasticity solve with its adjacency struct; 3 update positions or displacements in place and read them
+    # back in the same launch, refused in reverse mode; `update_velocity` compared.
+    counts, failures = run_program(step.program, step.program.initial_inputs())
+    assert failures == [], failures
+    assert counts["launches"] == 4 and counts["vmap compared"] == 4 and counts["struct arguments"] == 1, counts
+    assert counts["reverse compared"] == 1 and counts["reverse refused (named)"] == 3, counts

@@ -146,4 +146,7 @@ def test_the_twin_is_the_kernel_with_the_values_substituted_and_warps_tape_agree
     assert "range(4)" in twin_sig.kernel.adj.source and _unrolled.is_unrolled(twin_sig.kernel)
     assert not _unrolled.is_unrolled(loop_running_product)
     assert _unrolled.adjoint_signature(sig, {"n": 4}, {"x": (3, 4), "out": (3,)})[0].kernel is twin_sig.kernel
+    # other values, another twin in a module of its own (a kernel added to a loaded module unloads its code)
+    other, _ = _unrolled.adjoint_signature(sig, {"n": 3}, {"x": (3, 4), "out": (3,)})
+    assert other.kernel is not twin_sig.kernel and other.kernel.module is not twin_sig.kernel.module
     assert_close(_loop_tape_grad(twin_sig.kernel), jax.grad(lambda x: jnp.prod(x, 1).sum())(jnp.asarray(_LOOP_X)))

@@ -124,8 +124,10 @@ def _twin(kernel, scalars: tuple[tuple[str, int], ...], dims: tuple[tuple[tuple[
     name = f"{fn.name}{_SUFFIX}"
     source = "\n".join([f"def {name}({', '.join(arg_types)}):",
                         *("    " + line for line in ast.unparse(ast.Module(body=body, type_ignores=[])).splitlines())])
+    # A module per twin (values in its name): a kernel added to a module Warp has loaded makes it rebuild the module
+    # and unload the code of the twins already launched from it.
     return _twins.kernel_from_source(kernel, source + "\n", name, arg_types, key=f"{kernel.key}{_SUFFIX}_{values}",
-                                     kind="warpnn_unrolled", options={"enable_backward": True},
+                                     kind=f"warpnn_unrolled_{values}", options={"enable_backward": True},
                                      module_options={"enable_backward": True, "max_unroll": max_unroll})
 
 
