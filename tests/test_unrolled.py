@@ -103,16 +103,16 @@ def test_a_loop_over_an_arrays_shape_differentiates_and_vmaps(batched, monkeypat
         assert_close(threaded, want(x))
 
 
-@wp.kernel(enable_backward=False)
-def product_without_adjoint(x: wp.array2d(dtype=float), n: int, out: wp.array(dtype=float)):
-    t = wp.tid()
-    p = float(1.0)
-    for i in range(n):
-        p = p * x[t, i]
-    out[t] = p
+# the running product compiled without an adjoint (as mujoco_warp builds its modules), in a module of its own
+product_without_adjoint = wp.Kernel(loop_running_product.func, key="product_without_adjoint",
+                                    module=wp.get_module("tests.test_unrolled.without_adjoint"),
+                                    options={"enable_backward": False})
 
 
 def test_a_kernel_compiled_without_an_adjoint_differentiates_through_the_unrolled_twin():
+    from warpnn._access import warp_builds_adjoint
+
+    assert not warp_builds_adjoint(product_without_adjoint)
     x = jnp.asarray(_LOOP_X)
     assert_close(jax.grad(lambda x: _loop_call(product_without_adjoint)(x).sum())(x),
                  jax.grad(lambda x: jnp.prod(x, 1).sum())(x))
