@@ -18,7 +18,7 @@ with each other (the direction crosses a discontinuity) and wp.Tape agrees with 
 
 Each kernel is checked at its first launch. A mismatch is a failure: a silently wrong result. A kernel compiled
 without an adjoint (mujoco_warp builds most so) is differentiated by warpnn through its twin built with one, and
-wp.Tape runs that same twin. Measured 2026-12-04 on the CPU (kernels; vmap compared; reverse compared against
+wp.Tape runs that same twin. Measured 2026-12-04 and 05 on the CPU (kernels; vmap compared; reverse compared against
 wp.Tape and central differences; reverse refused with the kernel named): Newton SemiImplicit cloth 6; 6; 6; 0.
 Newton XPBD cloth 5; 5; 3; 2 and VBD cloth 4; 4; 1; 3 (checked in test_models_newton.py, on the steps its
 forward tests trace). Newton Featherstone chain 14; 14; 7; 7. MuJoCo Warp
