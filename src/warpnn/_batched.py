@@ -549,14 +549,17 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
 _REORDERED: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
 
 
-def _twin_from_body(kernel, params: list[str], body: list[ast.stmt], kind: str):
+def twin_from_body(kernel, params: list[str], body: list[ast.stmt], kind: str, *, annotations: dict | None = None,
+                   key: str | None = None, **twin_options):
     """A kernel running ``body`` (statements of ``kernel``'s, rewritten) over ``params`` (``kernel``'s parameter
-    names, in the twin's order), with ``kernel``'s key, types and options: see ``_twins.kernel_from_source``."""
+    names, in the twin's order), with ``kernel``'s key, types and options (or ``annotations``' types, ``key`` and
+    ``kernel_from_source``'s ``options`` / ``module_options``): see ``_twins.kernel_from_source``."""
     arg_types = {k: v for k, v in kernel.adj.arg_types.items() if k != "return"}
     name = f"{kernel.adj.tree.body[0].name}__{kind}"
     body_source = ast.unparse(ast.Module(body=body, type_ignores=[]))
     source = f"def {name}({', '.join(params)}):\n" + textwrap.indent(body_source, "    ") + "\n"
-    return kernel_from_source(kernel, source, name, {n: arg_types[n] for n in params}, key=kernel.key, kind=kind)
+    types = annotations if annotations is not None else {n: arg_types[n] for n in params}
+    return kernel_from_source(kernel, source, name, types, key=key or kernel.key, kind=kind, **twin_options)
 
 
 def with_parameters_reordered(kernel, order: tuple[str, ...]):
@@ -576,7 +579,7 @@ def with_parameters_reordered(kernel, order: tuple[str, ...]):
         arg_types = {k: v for k, v in adj.arg_types.items() if k != "return"}
         if sorted(order) != sorted(arg_types):
             raise ValueError(f"Kernel '{kernel.key}': {list(order)} is not an order of its parameters {list(arg_types)}.")
-        reordered = _twin_from_body(kernel, list(order), copy.deepcopy(adj.tree.body[0].body), "warpnn_reordered")
+        reordered = twin_from_body(kernel, list(order), copy.deepcopy(adj.tree.body[0].body), "warpnn_reordered")
         _REORDERED[(id(kernel), order)] = (kernel, reordered)
         return reordered
 
@@ -613,7 +616,7 @@ def with_parameters_merged(kernel, merged: tuple[tuple[str, str], ...]):
         if rebound:
             raise ValueError(f"Kernel '{kernel.key}' assigns to parameter(s) {rebound}, passed the same array.")
         body = [_Rename(names).visit(stmt) for stmt in copy.deepcopy(fn.body)]
-        twin = _twin_from_body(kernel, [n for n in arg_types if n not in names], body, "warpnn_merged")
+        twin = twin_from_body(kernel, [n for n in arg_types if n not in names], body, "warpnn_merged")
         _MERGED[(id(kernel), merged)] = (kernel, twin)
         return twin
 

@@ -213,7 +213,10 @@ class WarpKernel:
         self.signature = signature_of(_value_args.with_components(kernel), options.num_outputs,
                                       options.in_out_argnames, options.block_dim)
         self.kernel = kernel
-        self._value_params = _value_args.value_params(kernel)
+        # the kernel's own inputs, where the signature has a value parameter's components in its place
+        values = _value_args.value_params(kernel)
+        extra = sum(len(_value_args.component_names(n, t)) - 1 for n, t in values.items())
+        self._value_inputs = [p.label for p in kernel.adj.args[: len(self.signature.inputs) - extra]] if values else None
         self.num_outputs = options.num_outputs
         self.vmap_method = _check_vmap_method(options.vmap_method, self.signature)
         self.in_out_argnames = self.signature.in_out_names
@@ -252,12 +255,10 @@ class WarpKernel:
         """
         sig = self.signature
         _check_vmap_method(vmap_method, sig)
-        if self._value_params:
-            params = self.kernel.adj.args[: len(sig.inputs) - sum(
-                len(_value_args.component_names(n, t)) - 1 for n, t in self._value_params.items())]
-            if len(args) != len(params):
+        if self._value_inputs is not None:
+            if len(args) != len(self._value_inputs):
                 raise TypeError(
-                    f"Kernel '{sig.key}' takes {len(params)} inputs {[p.label for p in params]} (its outputs "
+                    f"Kernel '{sig.key}' takes {len(self._value_inputs)} inputs {self._value_inputs} (its outputs "
                     f"{list(sig.output_names)} are returned, not passed), but was called with {len(args)}."
                 )
             args = tuple(_value_args.expand(self.kernel, args))

@@ -33,7 +33,7 @@ from typing import Any
 
 import warp as wp
 
-from . import _batched, _settings, _twins
+from . import _batched, _settings
 from ._signature import KernelSignature, signature_of
 
 MAX_UNROLL_ENV = "WARPNN_MAX_UNROLL"
@@ -118,22 +118,18 @@ def _twin(kernel, scalars: tuple[tuple[str, int], ...], dims: tuple[tuple[tuple[
     body = [transformer.visit(stmt) for stmt in copy.deepcopy(fn).body]
     if not transformer.replaced:
         return None
-    arg_types = dict(kernel.adj.arg_types)
-    arg_types.pop("return", None)
+    params = [p.label for p in kernel.adj.args]
     values = hashlib.sha1(repr((scalars, dims)).encode()).hexdigest()[:10]  # (the same key in every process)
-    name = f"{fn.name}{_SUFFIX}"
-    source = "\n".join([f"def {name}({', '.join(arg_types)}):",
-                        *("    " + line for line in ast.unparse(ast.Module(body=body, type_ignores=[])).splitlines())])
     # A module per twin (values in its name): a kernel added to a module Warp has loaded makes it rebuild the module
     # and unload the code of the twins already launched from it.
-    return _twins.kernel_from_source(kernel, source + "\n", name, arg_types, key=f"{kernel.key}{_SUFFIX}_{values}",
-                                     kind=f"warpnn_unrolled_{values}", options={"enable_backward": True},
-                                     module_options={"enable_backward": True, "max_unroll": max_unroll})
+    return _batched.twin_from_body(kernel, params, body, f"warpnn_unrolled_{values}",
+                                   key=f"{kernel.key}{_SUFFIX}_{values}", options={"enable_backward": True},
+                                   module_options={"enable_backward": True, "max_unroll": max_unroll})
 
 
 def is_unrolled(kernel) -> bool:
     """Whether ``kernel`` is a twin this module built."""
-    return kernel.key.split(_SUFFIX)[0] != kernel.key
+    return _SUFFIX in kernel.key
 
 
 __all__ = ["MAX_UNROLL_ENV", "adjoint_signature", "is_unrolled", "unrolled"]

@@ -88,15 +88,11 @@ def _twin(kernel):
                 continue
             parts = component_names(name, warp_type)
             new_types.update(dict.fromkeys(parts, warp_type._wp_scalar_type_))
-            prologue.append(f"{name} = {_twins.WP_NAME}.{value_type_name(warp_type)}({', '.join(parts)})")
+            prologue += ast.parse(f"{name} = {_twins.WP_NAME}.{value_type_name(warp_type)}({', '.join(parts)})").body
         body = copy.deepcopy(fn).body
         docstring = body[:1] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else []
-        lines = lambda stmts: ast.unparse(ast.Module(body=stmts, type_ignores=[])).splitlines()  # noqa: E731
-        name = f"{fn.name}{_SEPARATOR}values"
-        source = "\n".join([f"def {name}({', '.join(new_types)}):",
-                            *("    " + line for line in [*lines(docstring), *prologue, *lines(body[len(docstring):])])])
-        return _twins.kernel_from_source(kernel, source + "\n", name, new_types, key=kernel.key,
-                                           kind="warpnn_values")
+        return _batched.twin_from_body(kernel, list(new_types), [*docstring, *prologue, *body[len(docstring):]],
+                                       "warpnn_values", annotations=new_types)
 
 
 def components(kernel_key: str, name: str, warp_type, value) -> list[Any]:
