@@ -82,3 +82,24 @@ def on_cpu_threads(compute):
     finally:
         twins.set_cpu_threads(*saved)
         jax.clear_caches()
+
+
+def warp_config_kept():
+    """A context manager that puts Warp's global config back as it was: some of Warp's examples set it when
+    imported (``wp.config.enable_backward = False`` in the FDTD example), and every module made later in the
+    process would then compile without adjoints (a later test's ``wp.Tape`` reference would be wrong)."""
+    import contextlib
+
+    import warp as wp
+
+    @contextlib.contextmanager
+    def kept():
+        wp.init()  # (Warp fills some config values, the kernel cache's path, when it starts: not the examples' doing)
+        config = {k: v for k, v in vars(wp.config).items() if not k.startswith("__") and not callable(v)}
+        try:
+            yield
+        finally:
+            for k, v in config.items():
+                setattr(wp.config, k, v)
+
+    return kept()

@@ -18,7 +18,7 @@ import warpnn
 from warpnn._access import ArrayUse, codegen_access, reconcile, walk_array_uses
 from warpnn._signature import kernel_array_uses
 
-from .helpers import assert_close
+from .helpers import assert_close, warp_config_kept
 
 
 @wp.func
@@ -177,16 +177,10 @@ def test_results_written_inside_a_func_differentiate_like_wp_tape_and_leave_xla_
 
 
 def _kernels_in(package: str, skip=("tests", "viewer", "benchmarks", "fem")) -> list:
-    """Every non-generic kernel defined at module level in ``package``. Some of Warp's examples set Warp's global
-    config when imported (``wp.config.enable_backward = False``): the config is put back afterwards, or every
-    module made later in the process would compile without adjoints."""
-    wp.init()  # (Warp fills some config values, the kernel cache's path, when it starts: not the examples' doing)
-    config = {k: v for k, v in vars(wp.config).items() if not k.startswith("__") and not callable(v)}
-    try:
+    """Every non-generic kernel defined at module level in ``package`` (Warp's config put back after importing it:
+    ``helpers.warp_config_kept``)."""
+    with warp_config_kept():
         return _import_kernels(package, skip)
-    finally:
-        for k, v in config.items():
-            setattr(wp.config, k, v)
 
 
 def _import_kernels(package: str, skip) -> list:

@@ -45,7 +45,7 @@ from warpnn import _unrolled
 from warpnn._signature import signature_of
 from warpnn._twins import with_adjoint
 
-from .helpers import on_cpu_threads, on_one_device
+from .helpers import on_cpu_threads, on_one_device, warp_config_kept
 
 newton = pytest.importorskip("newton")
 
@@ -351,7 +351,8 @@ def test_warp_example_launches(name):
     import inspect
 
     pytest.importorskip("warp.examples")
-    module = importlib.import_module(f"warp.examples.{name}")
+    with warp_config_kept():  # (the FDTD example turns Warp's enable_backward off for the process when imported)
+        module = importlib.import_module(f"warp.examples.{name}")
     arguments, method, step_arguments, expected = WARP_EXAMPLES[name]
     with on_one_device():  # (the GPU on a GPU host: the Examples' own device)
         parameters = inspect.signature(module.Example.__init__).parameters
