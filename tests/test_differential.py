@@ -324,43 +324,53 @@ def test_warp_example_particle_repulsion_launches():
 # warp.examples programs whose Example().step() (or render()) traces as it is (state: every float array the Example
 # holds; host-side structures such as SPH's hash grid or the mesh sampler's wp.Mesh kept as built), with the
 # Example's arguments, the method and its arguments: kernels checked; reverse compared with wp.Tape; of those, where central differences do
-# not converge (a discontinuity, wp.Tape agreeing); reverse refused with the kernel named. Measured 2026-12-05
+# not converge (a discontinuity, wp.Tape agreeing); reverse refused with the kernel named; and the Python state the
+# step changes, accepted here (each launch is compared on its own; a replayed step would keep the traced values,
+# warpnn.trace refuses without the acceptance: test_warp_examples_refused_with_the_reason). Measured 2026-12-05
 # (CPU). (The particle repulsion example, above, runs two substeps from its own start: traced over a whole step,
 # central differences of its `integrate` do not converge (-61k, -19k, -77k for the three steps), as at its periodic
-# wrap.) Not here, and why: DEM, fluid and graph capture call wp.capture_launch in their step, Navier-Stokes runs a
-# wp.Tape backward in it, isosurface and the MCGP tile example read arrays to the host in it (each a refusal
-# warpnn.trace names); mesh, raycast, marching cubes, swept volume and diffray need pxr (USD); the other tile
-# examples have no Example class.
+# wrap.) Not here: the programs below that list, refused; mesh, raycast, marching cubes, swept volume and diffray
+# need pxr (USD); the other tile examples have no Example class.
 WARP_EXAMPLES = {
-    "core.example_wave": ({}, "step", (), (3, 3, 0, 0)),
+    # (the source moves each step: cx, cy are launch scalars)
+    "core.example_wave": ({}, "step", (), (3, 3, 0, 0), ("sim_time", "cx", "cy")),
     # its in-place `apply_bounds`: wp.Tape's gradient is wrong there, central differences side with warpnn
-    "core.example_sph": ({}, "step", (), (5, 3, 0, 2)),
-    "core.example_fdtd_3d": ({}, "step", (), (3, 2, 0, 0)),  # (one launch has no float input)
-    "core.example_nvdb": ({}, "step", (), (1, 1, 0, 0)),  # (a wp.Volume read by its uint64 id)
-    "core.example_sample_mesh": ({}, "step", (), (1, 1, 1, 0)),  # (triangles chosen by wp.lower_bound of a CDF)
+    "core.example_sph": ({}, "step", (), (5, 3, 0, 2), ("sim_time",)),
+    "core.example_fdtd_3d": ({}, "step", (), (3, 2, 0, 0), ()),  # (one launch has no float input)
+    "core.example_nvdb": ({}, "step", (), (1, 1, 0, 0), ("sim_time",)),  # (a wp.Volume read by its uint64 id)
+    "core.example_sample_mesh": ({}, "step", (), (1, 1, 1, 0), ("frame",)),  # (a CDF searched by wp.lower_bound)
     # (camera position and rotation passed by value: wp.vec3, wp.quat; no float array in)
-    "core.example_raymarch": ({"height": 12, "width": 16}, "render", (), (1, 0, 0, 0)),
-    "optim.example_fluid_checkpoint": ({"sim_steps": 4, "pressure_iterations": 4}, "step", (1,), (4, 4, 0, 0)),
-    "tile.example_tile_nbody": ({}, "step", (), (1, 0, 0, 1)),  # (a tile kernel)
+    "core.example_raymarch": ({"height": 12, "width": 16}, "render", (), (1, 0, 0, 0), ()),
+    "optim.example_fluid_checkpoint": ({"sim_steps": 4, "pressure_iterations": 4}, "step", (1,), (4, 4, 0, 0), ()),
+    # (a tile kernel; the step swaps its two position buffers)
+    "tile.example_tile_nbody": ({}, "step", (), (1, 0, 0, 1), ("pos_array_0", "pos_array_1")),
 }
 
 
-@pytest.mark.parametrize("name", list(WARP_EXAMPLES))
-def test_warp_example_launches(name):
+def _example(name: str, arguments: dict):
     import importlib
     import inspect
 
     pytest.importorskip("warp.examples")
     with warp_config_kept():  # (the FDTD example turns Warp's enable_backward off for the process when imported)
         module = importlib.import_module(f"warp.examples.{name}")
-    arguments, method, step_arguments, expected = WARP_EXAMPLES[name]
+    parameters = inspect.signature(module.Example.__init__).parameters
+    return module.Example(**arguments, **({"stage_path": None} if "stage_path" in parameters else {}))
+
+
+def _float_arrays(sim) -> dict:
+    return {k: v for k, v in vars(sim).items() if isinstance(v, wp.array) and v.size and v.numpy().dtype.kind == "f"}
+
+
+@pytest.mark.parametrize("name", list(WARP_EXAMPLES))
+def test_warp_example_launches(name):
+    arguments, method, step_arguments, expected, python_state = WARP_EXAMPLES[name]
     with on_one_device():  # (the GPU on a GPU host: the Examples' own device)
-        parameters = inspect.signature(module.Example.__init__).parameters
-        sim = module.Example(**arguments, **({"stage_path": None} if "stage_path" in parameters else {}))
+        sim = _example(name, arguments)
         sim.use_cuda_graph = False  # (a captured graph is refused inside a traced step)
-        state = {k: v for k, v in vars(sim).items()
-                 if isinstance(v, wp.array) and v.size and v.numpy().dtype.kind == "f"}
-        program = warpnn.trace(lambda: getattr(sim, method)(*step_arguments), state, state, frozen_host_ops=True)
+        state = _float_arrays(sim)
+        program = warpnn.trace(lambda: getattr(sim, method)(*step_arguments), state, state, frozen_host_ops=True,
+                               python_state=python_state)
         counts, failures = run_program(program, program.initial_inputs(), cpu_threads=name == "core.example_sph")
     launches, compared, not_converging, refused = expected
     assert failures == [], failures
@@ -369,3 +379,27 @@ def test_warp_example_launches(name):
     assert counts["finite differences do not converge (wp.Tape agrees)"] == not_converging, counts
     assert counts["reverse compared with finite differences"] == compared - not_converging, counts
     assert counts["reverse refused (named)"] == refused, counts
+
+
+# warp.examples whose step warpnn.trace refuses, and the reason it gives (each a step as the Example runs it).
+REFUSED_WARP_EXAMPLES = {
+    # (the graph is captured when the Example is built; its step replays it)
+    "core.example_dem": ({}, r"called wp\.capture_launch"),
+    "core.example_fluid": ({}, r"called wp\.capture_launch"),
+    "core.example_graph_capture": ({}, r"called wp\.capture_launch"),
+    # (three Runge-Kutta stages, each swapping two vorticity buffers: an odd number of swaps)
+    "core.example_fft_poisson_navier_stokes_2d": ({}, r"changed Python state.*self\.omega_curr <array"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_WARP_EXAMPLES))
+def test_warp_examples_refused_with_the_reason(name):
+    arguments, reason = REFUSED_WARP_EXAMPLES[name]
+    with on_one_device():
+        sim = _example(name, arguments)
+        state = _float_arrays(sim)
+        before = {k: v.numpy().copy() for k, v in state.items()}
+        with pytest.raises(RuntimeError, match=reason):
+            warpnn.trace(sim.step, state, state, frozen_host_ops=True)  # (DEM rebuilds its hash grid first)
+        for k, v in state.items():  # the refused trace left the Example's arrays as they were
+            np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)

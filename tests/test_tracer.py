@@ -46,6 +46,12 @@ def scale_in_place(s: float, a: wp.array(dtype=float)):
     a[i] = a[i] * s
 
 
+@wp.kernel
+def scale_into(s: float, a: wp.array(dtype=float), b: wp.array(dtype=float)):
+    i = wp.tid()
+    b[i] = a[i] * s
+
+
 N, DT, G = 4, 0.01, 9.8
 PAIRS = np.array([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=np.int32)
 
@@ -452,6 +458,34 @@ def test_python_state_changed_by_the_step_is_refused_and_put_back():
     program = warpnn.trace(stepper.step, {"a": stepper.a}, {"a": stepper.a}, python_state=["count"])
     assert stepper.count == 0
     assert_close(program({"a": jnp.ones(4)})["a"], 2.0 * np.ones(4))
+
+
+class _Swapper:
+    """The double-buffer pattern of Warp's examples and Newton's: each step writes one buffer, then swaps names."""
+
+    def __init__(self):
+        self.current, self.following = wp.array(np.ones(4, np.float32)), wp.zeros(4, dtype=float)
+        self.scratch = None  # allocated on first use
+
+    def step(self):
+        if self.scratch is None:
+            self.scratch = wp.zeros(4, dtype=float)
+        wp.launch(scale_into, 4, [2.0, self.current], [self.following])
+        self.current, self.following = self.following, self.current
+
+
+def test_arrays_swapped_between_attributes_are_refused_and_put_back():
+    """Before: a swap went unseen, and the output named `current` (the array object the caller passed) held the
+    step's input, silently: the replay looked like a step that does nothing."""
+    s = _Swapper()
+    current, following = s.current, s.following
+    with pytest.raises(RuntimeError, match=r"changed Python state.*s\.current <array of shape \(4,\)"):
+        warpnn.trace(lambda: s.step(), {"x": s.current}, {"x": s.current})
+    assert s.current is current and s.following is following and s.scratch is not None  # put back; scratch kept
+    assert np.allclose(current.numpy(), 1.0) and np.allclose(following.numpy(), 0.0)
+    # two swapping steps leave the names as they were: accepted, and the replay is two steps
+    program = warpnn.trace(lambda: (s.step(), s.step()), {"x": s.current}, {"x": s.current})
+    assert_close(program({"x": jnp.ones(4)})["x"], 4.0 * np.ones(4))
 
 
 @wp.kernel

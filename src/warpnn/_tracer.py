@@ -73,8 +73,11 @@ CONTROL_FLOW_MESSAGE = (
 PYTHON_STATE_MESSAGE = (
     "warpnn.trace: the traced function changed Python state it closes over: {changes}. The replay runs only the "
     "recorded launches, so every replayed step would behave as the traced one did (a step counter, a cached "
-    "flag), whatever that state becomes. warpnn put the values back. Fix: keep that state out of the step, or, "
-    "if the launches do not depend on it, name it in warpnn.trace(..., python_state=[...]) to accept it."
+    "flag), whatever that state becomes; and the inputs and outputs you named are array objects, so after a step "
+    "that rebinds attributes (swapping self.state_0 and self.state_1) they no longer are what those attributes hold. "
+    "warpnn put the values back. Fix: keep that state out of the step (for a swap: trace an even number of "
+    "swapping steps, or copy instead of swapping), or, if neither the launches nor your inputs and outputs depend "
+    "on it, name it in warpnn.trace(..., python_state=[...]) to accept it."
 )
 ALIASED_PARAMETERS_MESSAGE = (
     "warpnn.trace: kernel '{key}' is launched with one array as parameters {pairs}{why}, and writes it, so it reads "
@@ -895,9 +898,10 @@ def _state_roots(fn) -> dict[str, Any]:
 
 
 def _python_state(fn, depth: int = 3, limit: int = 20000) -> dict[tuple[int, str], tuple[Any, str, Any]]:
-    """Plain attribute values (numbers, strings, None) of the objects ``fn`` closes over, ``depth`` levels deep:
-    ``{(id(owner), attribute): (owner, path, value)}``. Warp's own objects and arrays are left out (the recorder
-    watches their data), and so are modules, classes and functions."""
+    """The attributes of the objects ``fn`` closes over, ``depth`` levels deep: ``{(id(owner), attribute): (owner,
+    path, value)}``, plain values (numbers, strings, None) and, for any other value, the object itself (compared by
+    identity: a step that swaps ``self.state_0, self.state_1`` rebinds them). Warp's own objects are not looked
+    into (the recorder watches arrays' data), and neither are modules, classes and functions."""
     found: dict[tuple[int, str], tuple[Any, str, Any]] = {}
     seen: set[int] = set()
     frontier = list(_state_roots(fn).items())
@@ -915,29 +919,48 @@ def _python_state(fn, depth: int = 3, limit: int = 20000) -> dict[tuple[int, str
                 continue
             attrs = getattr(obj, "__dict__", None)
             if (not isinstance(attrs, dict) or inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isroutine(obj)
-                    or type(obj).__module__.split(".")[0] in ("warp", "jax", "jaxlib", "numpy")):
+                    or _library_object(obj)):
                 continue
             for name, value in list(attrs.items()):
-                if isinstance(value, _PLAIN_VALUES):
-                    found[(id(obj), name)] = (obj, f"{path}.{name}", value)
-                else:
+                found[(id(obj), name)] = (obj, f"{path}.{name}", value)
+                if not isinstance(value, _PLAIN_VALUES):
                     following.append((f"{path}.{name}", value))
         frontier = following
     return found
 
 
+def _library_object(obj) -> bool:
+    """Whether ``obj`` is Warp's, JAX's or NumPy's own (arrays, meshes, tapes: their attributes are the library's
+    bookkeeping), not user code; Warp's examples are user code that ships with Warp."""
+    module = type(obj).__module__ or ""
+    return module.split(".")[0] in ("warp", "jax", "jaxlib", "numpy") and not module.startswith("warp.examples")
+
+
 def _restore_python_state(before, after_fn, accepted: tuple[str, ...]) -> list[str]:
-    """Put back every plain attribute ``fn`` changed; return the changes not ``accepted``, described."""
+    """Put back every attribute ``fn`` changed (a plain value, or an object rebound); return the changes not
+    ``accepted``, described. An attribute that was None and now holds an object (a buffer allocated on first use)
+    is kept: the recorded launches already use it, and a later call finds it there as it would have."""
     changes = []
     after = _python_state(after_fn)
     for key, (obj, path, value) in before.items():
         now = after.get(key)
-        if now is None or now[2] is value or (now[2] == value and type(now[2]) is type(value)):
+        if now is None or now[2] is value:
+            continue
+        plain = isinstance(value, _PLAIN_VALUES) and isinstance(now[2], _PLAIN_VALUES)
+        if (plain and now[2] == value and type(now[2]) is type(value)) or (value is None and not plain):
             continue
         setattr(obj, key[1], value)
         if not any(path == name or path.endswith("." + name) for name in accepted):
-            changes.append(f"{path} {value!r} -> {now[2]!r}")
+            changes.append(f"{path} {_described(value)} -> {_described(now[2])}")
     return changes
+
+
+def _described(value) -> str:
+    """A value as a Python-state change names it: plain values as they are, an object by its type and identity."""
+    if isinstance(value, _PLAIN_VALUES):
+        return repr(value)
+    shape = f" of shape {value.shape}" if isinstance(value, wp.array) else ""
+    return f"<{type(value).__name__}{shape} at {id(value):#x}>"
 
 
 def trace(
