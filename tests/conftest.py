@@ -9,6 +9,20 @@ import warp as wp
 
 wp.config.log_level = wp.LOG_WARNING  # Warp 1.19: no banner or module-load lines (wp.config.quiet is gone)
 
+from .helpers import QUICK_COMPILE_LEVEL  # noqa: E402
+
+_default_optimization_level = wp.config.optimization_level
+
+
+def pytest_runtest_setup(item):
+    # (a hook, not a fixture: it must cover the module-scoped fixtures that build and trace the programs)
+    if QUICK_COMPILE_LEVEL is not None and item.get_closest_marker("quick_compile") is not None:
+        wp.config.optimization_level = QUICK_COMPILE_LEVEL
+
+
+def pytest_runtest_teardown(item, nextitem):
+    wp.config.optimization_level = _default_optimization_level
+
 
 def pytest_addoption(parser):
     parser.addoption("--corpus-full", action="store_true", default=False,
@@ -67,3 +81,4 @@ def x64():
     """Run a test with 64-bit JAX types (for float64 kernels and check_grads)."""
     with jax.enable_x64(True):
         yield
+

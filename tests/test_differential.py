@@ -257,6 +257,7 @@ def run_program(program, inputs, limit=None, part=(0, 1), cpu_threads=False):
     return counts, failures
 
 
+@pytest.mark.quick_compile
 def test_newton_semi_implicit_cloth_launches():
     from warpnn_models.newton import NewtonStep
 
@@ -269,6 +270,7 @@ def test_newton_semi_implicit_cloth_launches():
     assert counts["launches"] >= 6 and counts["reverse compared"] >= 6 and counts["vmap compared"] >= 6, counts
 
 
+@pytest.mark.quick_compile
 def test_newton_featherstone_launches():
     from warpnn_models.newton import NewtonStep
 
@@ -284,6 +286,7 @@ def test_newton_featherstone_launches():
     assert counts["launches"] >= 14 and counts["reverse compared"] >= 6, counts
 
 
+@pytest.mark.quick_compile
 @pytest.mark.parametrize("half", [0, 1])
 def test_mujoco_warp_step_launches(half):
     """The box's kernels in two interleaved halves (each compiles its kernels' twins: on a cold Warp cache the

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import subprocess_env
+from .helpers import QUICK_COMPILE_LEVEL, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+QUICK_COMPILE_PAGES = {"docs/mujoco.md"}  # pages that build many kernels and run them briefly (helpers.py)
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
 INCLUDE = re.compile(r'^--8<--\s+"(?P<path>[^":]+)"\s*$')
 MARKER = re.compile(r"^\s*<!--\s*(?P<kind>skip-test|test)\s*:\s*(?P<value>.*?)\s*-->\s*$")
@@ -76,6 +77,8 @@ def _sessions():
 
 def _run(page: str, session: list[dict], cwd: Path) -> subprocess.CompletedProcess:
     script = ["import sys", "namespace = {'__name__': '__main__'}"]
+    if page in QUICK_COMPILE_PAGES and QUICK_COMPILE_LEVEL is not None:  # (the harness's, not the page's code)
+        script.append(f"import warp; warp.config.optimization_level = {QUICK_COMPILE_LEVEL}")
     for b in session:
         script.append(f"print('--- {page}:{b['line']}', flush=True)")
         # Blank lines before the code make the Markdown line numbers the traceback's line numbers.

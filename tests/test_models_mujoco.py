@@ -16,6 +16,7 @@ import warp as wp
 
 mjw = pytest.importorskip("mujoco_warp")
 mujoco = pytest.importorskip("mujoco")
+pytestmark = pytest.mark.quick_compile  # (tests/conftest.py)
 
 from .helpers import on_one_device  # noqa: E402
 from warpnn_models.mujoco import MujocoStep, equinox_module, nnx_module, rollout  # noqa: E402

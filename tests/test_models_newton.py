@@ -7,6 +7,7 @@ import pytest
 import warp as wp
 
 newton = pytest.importorskip("newton")
+pytestmark = pytest.mark.quick_compile  # (tests/conftest.py)
 
 from warpnn import _batched  # noqa: E402
 from warpnn_models.newton import NewtonStep, equinox_module, nnx_module, rollout  # noqa: E402

@@ -1001,9 +1001,12 @@ def trace(
         frozen_host_ops: accept host-side rebuilds (``HashGrid.build``, ``Mesh.refit``, ...) inside ``fn``;
             the replay then uses the structure built at trace time.
         python_state: attributes (``"_step"`` or a path such as ``"solver._step"``) of the objects ``fn`` closes
-            over that ``fn`` may change without changing its launches. Any other change of a plain attribute
-            (a number, a string, None) up to three objects deep is refused: the replay would freeze it. Either
-            way tracing puts the values back.
+            over that ``fn`` may change without changing its launches or what ``inputs`` and ``outputs``
+            name. Any other change of an attribute up to three objects deep is refused: a plain value (a number,
+            a string, None) the replay would freeze, or an object rebound (a step that swaps ``self.state_0`` and
+            ``self.state_1`` leaves the arrays named in ``outputs`` holding an intermediate). Either way tracing
+            puts the values back; an attribute that was None and now holds an object (a buffer allocated on
+            first use) is kept.
 
     Returns:
         A :class:`WarpProgram`.
