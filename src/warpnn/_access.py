@@ -84,6 +84,9 @@ class ArrayUse:
     # Where its adjoint's shape or pointer is reset: `a.shape` read inside a @wp.func after an access of `a`, or
     # `a.ptr` anywhere ("line 12: '.shape' inside @wp.func 'west'"); None if nowhere.
     adjoint_reset: str | None = None
+    # A launch-time proof (the launch tracer's, _owned.py) that no thread touches an element another thread of the
+    # launch writes, and that on every path each read comes before the writes: for a twin launched only there.
+    elements_owned: bool = False
 
     @property
     def reads(self) -> bool:
@@ -127,6 +130,8 @@ class ArrayUse:
         if any(a.kind == "read-write" for a in self.accesses):
             a = self.first("read-write")
             return f"it is updated by an atomic that also reads it (line {a.line})"
+        if self.elements_owned and not any(a.via or a.loops for a in self.accesses):
+            return None  # (the proof checked the elements and the order, path by path)
         stray = next((a for a in self.accesses if not a.own_element), None)
         if stray is not None:
             where = f" inside @wp.func '{stray.via}'" if stray.via else ""
@@ -491,7 +496,22 @@ def values_only_refill_integer_arrays(tree: ast.AST, name: str, integer_arrays: 
 def analyse_array_uses(kernel, specs) -> dict[str, ArrayUse]:
     """How ``kernel`` uses each array parameter in ``specs`` (``ArgSpec`` s): warpnn's walk of its source, made
     undecided wherever Warp's code generator (``codegen_access``) finds an access the walk does not place."""
-    return reconcile(walk_array_uses(kernel, specs), codegen_access(kernel))
+    uses = reconcile(walk_array_uses(kernel, specs), codegen_access(kernel))
+    owned = _ELEMENTS_OWNED.get(id(kernel))
+    if owned is not None and owned[0] is kernel:
+        uses.update({n: dataclasses.replace(uses[n], elements_owned=True) for n in owned[1]
+                     if n in uses and uses[n].undecided is None})
+    return uses
+
+
+# Twins (made by the launch tracer for one launch each) whose arrays' elements a launch-time proof placed:
+# id(kernel) -> (kernel, names). See _owned.py.
+_ELEMENTS_OWNED: dict[int, tuple[object, frozenset[str]]] = {}
+
+
+def declare_elements_owned(kernel, names: frozenset[str]) -> None:
+    """Record that a proof placed every access of ``names`` by the twin ``kernel`` (before its facts are asked)."""
+    _ELEMENTS_OWNED[id(kernel)] = (kernel, names)
 
 
 def walk_array_uses(kernel, specs) -> dict[str, ArrayUse]:

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
-from . import _value_args
+from . import _access, _owned, _value_args
 from ._batched import with_parameters_merged, with_parameters_reordered
 from ._bridge import jax_kernel
 from ._signature import fully_written, kernel_array_uses, signature_of
@@ -424,6 +424,8 @@ def _scalar_dtype(warp_dtype) -> np.dtype:
 class _Recorder:
     def __init__(self, input_arrays: Mapping[str, wp.array], frozen_host_ops: bool):
         self.ops: list = []
+        # launch-time proofs (_owned.py): (op index, arrays read, kernel without the proof, its twin, names)
+        self.proofs: list[tuple[int, frozenset, Any, Any, frozenset]] = []
         self.arrays: dict[Any, _ArrayInfo] = {}
         self.snapshots: dict[Any, np.ndarray] = {}
         self.frozen_host_ops = frozen_host_ops
@@ -533,6 +535,8 @@ class _Recorder:
             kernel = _value_args.with_components(kernel)
             params = kernel.adj.args
         uses = kernel_array_uses(kernel)
+        kernel, uses = self._with_elements_owned(kernel, args, dims, uses, block_dim)
+        params = kernel.adj.args
         is_array = [p.label in uses for p in params]
         written = [is_array[i] and uses[p.label].writes for i, p in enumerate(params)]
         if not any(written):
@@ -546,7 +550,8 @@ class _Recorder:
             # The bridge returns the trailing parameters as pure outputs: move these to the end.
             order = [i for i in range(len(params)) if i not in pure] + pure
             try:
-                kernel = with_parameters_reordered(kernel, tuple(params[i].label for i in order))
+                labels = tuple(params[i].label for i in order)
+                kernel = self._proof_reordered(kernel, with_parameters_reordered(kernel, labels), labels)
             except Exception:  # noqa: BLE001 - no source to regenerate: only the trailing run stays pure
                 order = list(range(len(params)))
                 while pure and pure[0] != len(params) - len(pure):
@@ -587,6 +592,52 @@ class _Recorder:
             results.append((key, p.label))
         self.ops.append(_Launch(kernel, dims, block_dim or None, len(results), tuple(in_out),
                                 tuple(call_inputs), tuple(results), tuple(output_dims)))
+
+    def _with_elements_owned(self, kernel, args, dims, uses, block_dim):
+        """``kernel`` and its uses or, where a proof from the program's constants places the elements of the arrays
+        it updates in place at computed indices (``_owned.py``: mujoco_warp's ``qpos`` by joint), its twin that
+        records so. ``settle_proofs`` checks at the end that nothing wrote the arrays the proof read."""
+        names = [p.label for p, a in zip(kernel.adj.args, args)
+                 if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
+        if not names or block_dim:
+            return kernel, uses
+        with self.suspended():
+            owned, read = _owned.prove(kernel, args, dims, names, self._constant_so_far)
+        if not owned:
+            return kernel, uses
+        keys = {self.views.get(k, k) for k in (self.register(a, "index array") for a in read)}
+        twin = _owned.with_elements_owned(kernel, owned)
+        self.proofs.append((len(self.ops), frozenset(keys), kernel, twin, owned))
+        return twin, kernel_array_uses(twin)
+
+    def _proof_reordered(self, kernel, reordered, labels):
+        """``reordered`` (``kernel`` with its pure outputs moved last), carrying this launch's proof if it has one."""
+        if self.proofs and self.proofs[-1][0] == len(self.ops) and self.proofs[-1][3] is kernel:
+            index, keys, launched, _, owned = self.proofs[-1]
+            _access.declare_elements_owned(reordered, owned)
+            self.proofs[-1] = (index, keys, with_parameters_reordered(launched, labels), reordered, owned)
+        return reordered
+
+    def _constant_so_far(self, arr: wp.array) -> bool:
+        """Whether ``arr`` is neither an input nor written by an operation recorded so far."""
+        if type(arr) is not wp.array or not arr.is_contiguous or not arr.ptr:
+            return False
+        key = self.register(arr, "index array")
+        key = self.views.get(key, key)
+        inputs = {self.views.get(k, k) for k in self.input_keys.values()}
+        return key not in inputs and not any(key in self._written_by(op) for op in self.ops)
+
+    def _written_by(self, op) -> set:
+        """The arrays (their base arrays' keys) a recorded operation writes."""
+        keys = {key for key, _ in op.results if key is not None} if isinstance(op, _Launch) else {op.dest}
+        return {self.views.get(k, k) for k in keys}
+
+    def settle_proofs(self) -> None:
+        """Launch-time proofs (``_with_elements_owned``) whose arrays a later operation wrote fall back to the
+        kernel as launched (its refusal stands)."""
+        for index, keys, launched, _, _ in self.proofs:
+            if any(keys & self._written_by(op) for op in self.ops[index + 1:]):
+                self.ops[index] = dataclasses.replace(self.ops[index], kernel=launched)
 
     def _one_array_twice(self, kernel, args) -> tuple[tuple[str, str], ...]:
         """``(drop, keep)`` pairs of parameters the launch passes one array to, where the kernel writes either.
@@ -1030,6 +1081,7 @@ def trace(
         changes = _restore_python_state(state, fn, tuple(python_state))
     if ran and changes:  # (after a failure, the failure is the news; the state is put back either way)
         raise RuntimeError(PYTHON_STATE_MESSAGE.format(changes=", ".join(changes)))
+    rec.settle_proofs()
     program = WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys, rec.views)
     program._platform = rec.platform
     return program

@@ -1,0 +1,129 @@
+"""In-place updates at indices read from the program's constants (warpnn._owned): differentiated where a
+launch-time probe proves that no thread touches an element another thread writes, refused otherwise."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import warp as wp
+
+import warpnn
+
+from .helpers import assert_close
+
+BALL = wp.constant(1)
+
+
+@wp.kernel
+def integrate_joints(adr: wp.array(dtype=int), kind: wp.array(dtype=int), dt: wp.array(dtype=float),
+                     q_in: wp.array(dtype=float), v: wp.array(dtype=float), q_out: wp.array(dtype=float)):
+    # mujoco_warp's _next_position in miniature: one joint per thread, its elements at adr[j] (3 for a ball),
+    # called with q_in and q_out the same array
+    j = wp.tid()
+    a = adr[j]
+    h = dt[0]
+    if kind[j] == BALL:
+        x0 = q_in[a]
+        x1 = q_in[a + 1]
+        x2 = q_in[a + 2]
+        q_out[a] = x0 + h * v[a]
+        q_out[a + 1] = x1 + h * v[a + 1]
+        q_out[a + 2] = x2 + h * v[a + 2]
+    else:
+        x = q_in[a]
+        q_out[a] = x + h * wp.sin(v[a]) * x
+
+
+def reference(q, v, dt, adr, kind):
+    out = q
+    for a, k in zip(adr, kind):
+        if k == 1:
+            out = out.at[a:a + 3].set(q[a:a + 3] + dt[0] * v[a:a + 3])
+        else:
+            out = out.at[a].set(q[a] + dt[0] * jnp.sin(v[a]) * q[a])
+    return out
+
+
+def _trace(adr_np, kind_np, *, adr_is_input=False, kind_is_input=False, rewrite_adr=False):
+    n = int(adr_np.max()) + 3
+    q = wp.array(np.linspace(0.5, 1.5, n).astype(np.float32))
+    v = wp.array(np.linspace(-1.0, 1.0, n).astype(np.float32))
+    dt = wp.array([0.1], dtype=float)
+    adr, kind = wp.array(adr_np, dtype=int), wp.array(kind_np, dtype=int)
+
+    def step():
+        wp.launch(integrate_joints, len(adr_np), [adr, kind, dt, q, v, q])
+        if rewrite_adr:
+            adr.fill_(0)
+
+    inputs = {"q": q, "v": v, "dt": dt, **({"adr": adr} if adr_is_input else {}),
+              **({"kind": kind} if kind_is_input else {})}
+    return warpnn.trace(step, inputs, {"q": q}), n
+
+
+def _loss_and_grad(program, n, adr_np, kind_np):
+    q0 = jnp.linspace(0.5, 1.5, n)
+    v0 = jnp.linspace(-1.0, 1.0, n)
+    dt0 = jnp.array([0.1])
+    weights = jnp.cos(jnp.arange(n, dtype=jnp.float32))
+
+    def warpnn_loss(q, v, dt):
+        return (weights * program({"q": q, "v": v, "dt": dt})["q"] ** 2).sum()
+
+    def reference_loss(q, v, dt):
+        return (weights * reference(q, v, dt, adr_np, kind_np) ** 2).sum()
+
+    return (warpnn_loss, reference_loss), (q0, v0, dt0)
+
+
+@pytest.mark.parametrize(("adr_np", "kind_np"), [
+    (np.array([0, 3, 4, 7]), np.array([1, 0, 1, 0])),  # balls at 0 and 4, hinges at 3 and 7
+    # adjacent hinges: a ball's three elements at 0 would overlap the next, but no thread takes that branch
+    (np.array([0, 1, 2]), np.array([0, 0, 0])),
+])
+def test_disjoint_joints_differentiate_like_the_reference(adr_np, kind_np):
+    program, n = _trace(adr_np, kind_np)
+    assert program.reverse_refusals() == {}
+    (ours, ref), args = _loss_and_grad(program, n, adr_np, kind_np)
+    assert_close(jax.jit(ours)(*args), ref(*args), rtol=1e-5)
+    for got, want in zip(jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(*args), jax.grad(ref, argnums=(0, 1, 2))(*args)):
+        assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["overlapping joints", "index array is an input", "index array rewritten later",
+                                  "branch condition is an input"])
+def test_unproven_in_place_updates_stay_refused(case):
+    adr_np, kind_np = {"overlapping joints": (np.array([0, 2]), np.array([1, 0])),
+                       # the probe then records both branches of every joint: a superset, which overlaps
+                       "branch condition is an input": (np.array([0, 1]), np.array([0, 0]))}.get(
+                           case, (np.array([0, 3]), np.array([1, 0])))
+    program, n = _trace(adr_np, kind_np, adr_is_input=case == "index array is an input",
+                        kind_is_input=case == "branch condition is an input",
+                        rewrite_adr=case == "index array rewritten later")
+    refusals = program.reverse_refusals()
+    assert any("touches an element other than" in why for why in refusals.values()), refusals
+    (ours, _), args = _loss_and_grad(program, n, adr_np, kind_np)
+    if case in ("index array is an input", "branch condition is an input"):
+        return  # (the program then takes that array too; the refusal above is the bridge's decision)
+    with pytest.raises(TypeError, match="integrate_joints"):
+        jax.grad(ours)(*args)
+
+
+@wp.kernel
+def with_activations(na: int, act: wp.array(dtype=float), x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    # mujoco_warp's _actuator_force in miniature: activations updated at computed indices, when the model has any
+    i = wp.tid()
+    if na > 0:
+        act[i % na] = act[(i + 1) % na] + x[i]
+    y[i] = x[i] * x[i]
+
+
+def test_an_array_without_elements_is_no_reason_to_refuse():
+    x, y, act = wp.array(np.arange(1.0, 5.0, dtype=np.float32)), wp.zeros(4, dtype=float), wp.zeros(0, dtype=float)
+    program = warpnn.trace(lambda: wp.launch(with_activations, 4, [0, act, x], [y]), {"x": x}, {"y": y})
+    assert program.reverse_refusals() == {}
+    grad = jax.grad(lambda x: program({"x": x})["y"].sum())(jnp.arange(1.0, 5.0))
+    assert_close(grad, 2.0 * np.arange(1.0, 5.0))
+    act = wp.zeros(3, dtype=float)  # with activations the same launch stays refused (threads share elements)
+    program = warpnn.trace(lambda: wp.launch(with_activations, 4, [3, act, x], [y]), {"x": x}, {"y": y})
+    assert "touches an element other than" in program.reverse_refusals()["with_activations"]
