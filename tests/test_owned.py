@@ -127,3 +127,24 @@ def test_an_array_without_elements_is_no_reason_to_refuse():
     act = wp.zeros(3, dtype=float)  # with activations the same launch stays refused (threads share elements)
     program = warpnn.trace(lambda: wp.launch(with_activations, 4, [3, act, x], [y]), {"x": x}, {"y": y})
     assert "touches an element other than" in program.reverse_refusals()["with_activations"]
+
+
+@wp.kernel
+def reads_in_conditions(adr: wp.array(dtype=int), q_in: wp.array(dtype=float), q_out: wp.array(dtype=float)):
+    j = wp.tid()
+    a = adr[j]
+    if q_out:  # Warp's null-array test: no element read
+        if q_in[a + 1] > 0.0:  # a neighbour's element, read in a condition
+            q_out[a] = 2.0 * q_in[a]
+
+
+def test_reads_in_conditions_are_placed_too():
+    """The condition's read of the next joint's element (which that joint's thread writes) means no proof: before,
+    the probe skipped conditions, and the launch differentiated as if the elements were owned."""
+    q = wp.array(np.linspace(0.5, 1.5, 4).astype(np.float32))
+    adr = wp.array(np.arange(3), dtype=int)
+    program = warpnn.trace(lambda: wp.launch(reads_in_conditions, 3, [adr, q, q]), {"q": q}, {"q": q})
+    assert "touches an element other than" in program.reverse_refusals()["reads_in_conditions"]
+    adr = wp.array(np.array([0, 2]), dtype=int)  # every other element: the read is no other thread's
+    program = warpnn.trace(lambda: wp.launch(reads_in_conditions, 2, [adr, q, q]), {"q": q}, {"q": q})
+    assert program.reverse_refusals() == {}

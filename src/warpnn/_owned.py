@@ -215,14 +215,7 @@ class _ProbeBuilder:
         else:
             values = [c for c in ast.iter_child_nodes(stmt) if isinstance(c, ast.expr)]
         for value in values:
-            for n in ast.walk(value):
-                full = self._indices_of(n) if isinstance(n, ast.Subscript) else None
-                if full is not None:
-                    reads += self._record("read", full, path, loads, stmt.lineno)
-                elif isinstance(n, ast.Name) and (n.id == self.name or n.id in self.views) and not any(
-                        isinstance(p, ast.Subscript) and p.value is n for p in ast.walk(value)) and not any(
-                        isinstance(p, ast.Attribute) and p.value is n and p.attr == "shape" for p in ast.walk(value)):
-                    raise _NoProof(f"line {stmt.lineno}: the array used whole")
+            reads += self._reads(value, path, loads, stmt.lineno)
         for t in targets:
             for target in (t.elts if isinstance(t, ast.Tuple) else [t]):
                 full = self._indices_of(target)
@@ -231,6 +224,21 @@ class _ProbeBuilder:
                 elif self._mentions(target):
                     raise _NoProof(f"line {stmt.lineno}: the array rebound")
         return reads + writes
+
+    def _reads(self, value: ast.expr, path: tuple, loads: bool, lineno: int, condition: bool = False) -> list[str]:
+        """Recording statements for the elements of the array ``value`` reads. Any other use of the array (passed
+        to a function, which may access it where the probe cannot see) means no proof; ``a.shape`` is no access,
+        and neither is ``if a:`` (Warp's null-array test: the whole condition)."""
+        lines = []
+        for n in ast.walk(value):
+            full = self._indices_of(n) if isinstance(n, ast.Subscript) else None
+            if full is not None:
+                lines += self._record("read", full, path, loads, lineno)
+            elif isinstance(n, ast.Name) and (n.id == self.name or n.id in self.views) and not (condition and n is value) and not any(
+                    isinstance(p, ast.Subscript) and p.value is n for p in ast.walk(value)) and not any(
+                    isinstance(p, ast.Attribute) and p.value is n and p.attr == "shape" for p in ast.walk(value)):
+                raise _NoProof(f"line {lineno}: the array used whole")
+        return lines
 
     # -- statements
 
@@ -275,18 +283,19 @@ class _ProbeBuilder:
                 raise _NoProof(f"line {stmt.lineno}: the array accessed in a loop")
             return []
         if isinstance(stmt, ast.If):
+            tested = self._reads(stmt.test, path, loads, stmt.lineno, condition=True)  # (it runs before either side)
             known = self._is_known(stmt.test, loads)  # the kernel's condition, as the kernel evaluates it
             inner = loads and known  # (else both sides are recorded: no load the kernel may not make)
             arms = (self._block(stmt.body, (*path, (id(stmt), 0)), inner),
                     self._block(stmt.orelse, (*path, (id(stmt), 1)), inner))
             if not any(arms):
-                return []
+                return tested
             if known:
                 lines = [f"if {ast.unparse(stmt.test)}:", *(f"    {a}" for a in arms[0] or ["pass"])]
                 if arms[1]:
                     lines += ["else:", *(f"    {a}" for a in arms[1])]
-                return lines
-            return [*arms[0], *arms[1]]
+                return [*tested, *lines]
+            return [*tested, *arms[0], *arms[1]]
         if isinstance(stmt, ast.With):
             return self._block(stmt.body, path, loads)
         if isinstance(stmt, ast.Return):
