@@ -260,6 +260,38 @@ def test_kernel_without_twin_falls_back_with_one_warning(monkeypatch):
 
 
 @wp.func
+def _softplus(v: float):
+    return wp.log(1.0 + wp.exp(v))
+
+
+def _activation(name: str):
+    return {"softplus": _softplus}[name]
+
+
+@wp.kernel
+def softplus_kernel(x: wp.array(dtype=float), y: wp.array(dtype=float)):
+    i = wp.tid()
+    y[i] = wp.static(_activation("softplus"))(x[i])  # (a function chosen by wp.static, as mujoco_warp's filters are)
+
+
+@native
+def test_a_kernel_warp_has_built_gets_its_twin(monkeypatch):
+    """Warp attaches the function a wp.static() expression returns (holding ctypes pointers) to the kernel's AST
+    when it builds the module; copying that tree for a twin failed, so a kernel launched once before (mujoco_warp's broad phase) ran once per
+    batch element under vmap, with a warning about pickling."""
+    wp.launch(softplus_kernel, 4, [wp.zeros(4, dtype=float), wp.zeros(4, dtype=float)])  # built and loaded first
+    assert not isinstance(_batched.twin_of(softplus_kernel), str)
+    monkeypatch.setenv(_batched.BATCHED_ENV, "twin")  # the CPU would not ask for a twin by default
+    f = warpnn.jax_kernel(softplus_kernel)
+    x = jnp.linspace(-2.0, 2.0, 12).reshape(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (y,) = jax.jit(jax.vmap(lambda x: f(x)))(x)
+    assert not [str(w.message) for w in caught if "launches once per batch element" in str(w.message)]
+    assert_close(y, jax.nn.softplus(x))
+
+
+@wp.func
 def _first(a: wp.array(dtype=float)):
     return a[0]
 

@@ -57,7 +57,6 @@ or launches (Warp allows 4 dims), tile or cooperative-block kernels, generic ker
 from __future__ import annotations
 
 import ast
-import copy
 import ctypes
 import dataclasses
 import os
@@ -72,7 +71,7 @@ import warp as wp
 from . import _settings
 from . import _warp_compat as wc
 from ._access import _names_visible_to, parents_of
-from ._twins import WP_NAME, kernel_from_source
+from ._twins import WP_NAME, copy_tree, kernel_from_source
 
 BATCH_PREFIX = "warpnn_"
 FIRST_BATCH = "warpnn_first_batch"
@@ -203,7 +202,9 @@ class _TidReplacer(ast.NodeTransformer):
         return self.generic_visit(node)
 
     def visit_Name(self, node: ast.Name):
-        if (node.id == "tid" and node.id not in self.variables) or node.id.startswith(BATCH_PREFIX):
+        # (the warp module's name in generated source, e.g. wp.static() expressions restored by copy_tree, is bound
+        # by the twin's builder, not a variable of the transformation)
+        if (node.id == "tid" and node.id not in self.variables) or (node.id.startswith(BATCH_PREFIX) and node.id != WP_NAME):
             raise _Refused(f"it uses the name '{node.id}', which the transformation needs")
         return node
 
@@ -466,7 +467,7 @@ def _make_twin(kernel, batched: bool = True) -> Twin:
     if options.get("block_dim", 1) not in (1, 256) or kernel.options.get("block_dim") is not None:
         raise _Refused("it sets block_dim (tile or cooperative-block kernel)")
     adj = kernel.adj
-    tree = copy.deepcopy(adj.tree)
+    tree = copy_tree(adj.tree, kernel)
     fn = tree.body[0]
     if not isinstance(fn, ast.FunctionDef):
         raise _Refused("its source is not a function definition")
@@ -579,7 +580,7 @@ def with_parameters_reordered(kernel, order: tuple[str, ...]):
         arg_types = {k: v for k, v in adj.arg_types.items() if k != "return"}
         if sorted(order) != sorted(arg_types):
             raise ValueError(f"Kernel '{kernel.key}': {list(order)} is not an order of its parameters {list(arg_types)}.")
-        reordered = twin_from_body(kernel, list(order), copy.deepcopy(adj.tree.body[0].body), "warpnn_reordered")
+        reordered = twin_from_body(kernel, list(order), copy_tree(adj.tree.body[0], kernel).body, "warpnn_reordered")
         _REORDERED[(id(kernel), order)] = (kernel, reordered)
         return reordered
 
@@ -615,7 +616,7 @@ def with_parameters_merged(kernel, merged: tuple[tuple[str, str], ...]):
         rebound = sorted(bound & {*names, *names.values()})
         if rebound:
             raise ValueError(f"Kernel '{kernel.key}' assigns to parameter(s) {rebound}, passed the same array.")
-        body = [_Rename(names).visit(stmt) for stmt in copy.deepcopy(fn.body)]
+        body = [_Rename(names).visit(stmt) for stmt in copy_tree(fn, kernel).body]
         twin = twin_from_body(kernel, [n for n in arg_types if n not in names], body, "warpnn_merged")
         _MERGED[(id(kernel), merged)] = (kernel, twin)
         return twin

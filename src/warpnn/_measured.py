@@ -20,7 +20,6 @@ adjoint's data pointer).
 from __future__ import annotations
 
 import ast
-import copy
 import functools
 
 import warp as wp
@@ -90,7 +89,7 @@ def _measuring_twin(kernel):
     if not late:
         return None
     hoister = _batched._HoistShapes(late, prefix=_PREFIX)
-    body = [hoister.visit(stmt) for stmt in copy.deepcopy(fn).body]
+    body = [hoister.visit(stmt) for stmt in _twins.copy_tree(fn, kernel).body]
     docstring = body[:1] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else []
     remaining = {n.value.id for stmt in body for n in ast.walk(stmt)
                  if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in late}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import copy
 import functools
 import math
 
@@ -240,7 +239,7 @@ def _spread_kernel(kernel, names: tuple[str, ...], outputs: tuple[str, ...], n_p
     adj = kernel.adj
     body_of = _batched.kernel_body(kernel, _PREFIX)
     assert body_of is not None  # (spread_inputs found none without one)
-    fn = copy.deepcopy(body_of)
+    fn = _twins.copy_tree(body_of, kernel)
     kernel_dim = getattr(adj, "kernel_dim", None)
     if kernel_dim is None:
         adj.get_references()  # Warp sets kernel_dim (the arity of wp.tid()) when it hashes the module

@@ -10,6 +10,8 @@ the code already loaded), and inherits the kernel's and its module's options, le
 
 from __future__ import annotations
 
+import ast
+import copy
 import threading
 import types
 from typing import Any
@@ -19,6 +21,41 @@ import warp as wp
 from ._access import warp_builds_adjoint
 
 WP_NAME = "warpnn_wp"  # the name generated source uses for the warp module (a user's kernel may shadow `wp`)
+
+
+def copy_tree(node, kernel):
+    """A deep copy of (part of) ``kernel``'s AST for a twin to rewrite into generated source.
+
+    When Warp builds a kernel it rewrites each ``wp.static()`` expression in the tree into its value: a Warp
+    function becomes a ``__warp_func__`` name carrying the function (holding ctypes pointers, which
+    ``copy.deepcopy`` cannot copy), any other object a constant. Those become ``wp.static(<its source>)`` again,
+    for the twin's own build to evaluate with the kernel's names (mujoco_warp chooses its collision filters so: a
+    kernel built before warpnn asked for its twin had none, and ran once per batch element under vmap)."""
+    plain = (ast.AST, list, str, bytes, int, float, complex, bool, type(None), type(Ellipsis))
+    memo = {id(value): value for n in ast.walk(node) for value in vars(n).values() if not isinstance(value, plain)}
+    return _StaticExpressions(kernel).visit(copy.deepcopy(node, memo))
+
+
+class _StaticExpressions(ast.NodeTransformer):
+    def __init__(self, kernel):
+        resolved = getattr(kernel.adj, "resolved_static_expressions", None) or {}
+        self.source = {id(value): code for code, value in resolved.items()}
+
+    def _static(self, node, value):
+        code = self.source.get(id(value))
+        if code is None:
+            raise ValueError(f"a wp.static() value warpnn cannot name again: {value!r}")
+        return ast.copy_location(ast.parse(f"{WP_NAME}.static({code})", mode="eval").body, node)
+
+    def visit_Name(self, node):
+        if node.id == "__warp_func__" and hasattr(node, "warp_func"):
+            return self._static(node, node.warp_func)
+        return node
+
+    def visit_Constant(self, node):
+        if isinstance(node.value, (str, bytes, int, float, complex, bool, type(None), type(Ellipsis))):
+            return node
+        return self._static(node, node.value)
 
 
 def twin_module(kernel, kind: str, *, module_options: dict | None = None):

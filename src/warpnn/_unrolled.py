@@ -25,7 +25,6 @@ the literal that replaces them).
 from __future__ import annotations
 
 import ast
-import copy
 import functools
 import hashlib
 from collections.abc import Mapping
@@ -33,7 +32,7 @@ from typing import Any
 
 import warp as wp
 
-from . import _batched, _settings
+from . import _batched, _settings, _twins
 from ._signature import KernelSignature, signature_of
 
 MAX_UNROLL_ENV = "WARPNN_MAX_UNROLL"
@@ -115,7 +114,7 @@ def _twin(kernel, scalars: tuple[tuple[str, int], ...], dims: tuple[tuple[tuple[
     assigned |= {a.arg for n in ast.walk(fn) if isinstance(n, ast.Lambda) for a in n.args.args}
     transformer = _Constants({n: v for n, v in scalars if n not in assigned},
                              {k: v for k, v in dims if k[0] not in assigned})
-    body = [transformer.visit(stmt) for stmt in copy.deepcopy(fn).body]
+    body = [transformer.visit(stmt) for stmt in _twins.copy_tree(fn, kernel).body]
     if not transformer.replaced:
         return None
     params = [p.label for p in kernel.adj.args]

@@ -16,7 +16,6 @@ Only Warp's own value types (``wp.vec3f``, ``wp.mat33d``, ``wp.quatf``, ``wp.tra
 from __future__ import annotations
 
 import ast
-import copy
 import functools
 import math
 import threading
@@ -89,7 +88,7 @@ def _twin(kernel):
             parts = component_names(name, warp_type)
             new_types.update(dict.fromkeys(parts, warp_type._wp_scalar_type_))
             prologue += ast.parse(f"{name} = {_twins.WP_NAME}.{value_type_name(warp_type)}({', '.join(parts)})").body
-        body = copy.deepcopy(fn).body
+        body = _twins.copy_tree(fn, kernel).body
         docstring = body[:1] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else []
         return _batched.twin_from_body(kernel, list(new_types), [*docstring, *prologue, *body[len(docstring):]],
                                        "warpnn_values", annotations=new_types)
