@@ -31,6 +31,7 @@ import warp as wp
 
 from . import _access, _twins
 from . import _warp_compat as wc
+from ._signature import kernel_array_uses
 
 _PREFIX = "wnowned_"
 _SAFE_CALLS = {"int", "float", "bool", "min", "max", "abs", "int32", "int64", "uint32", "clamp", "where"}
@@ -45,12 +46,13 @@ def prove(kernel, args: list, dims: tuple[int, ...], names: list[str], constant:
     whose elements each thread provably owns, and the arrays the proof read (they must stay constant)."""
     owned, read = [], []
     by_name = dict(zip((a.label for a in kernel.adj.args), args))
+    constants = frozenset(_constant_params(kernel, args, constant))
     for name in names:
         if isinstance(by_name.get(name), wp.array) and by_name[name].size == 0:
             owned.append(name)  # no elements: none a thread could read after another wrote it (na = 0 actuators)
             continue
         try:
-            probe = _probe(kernel, name, frozenset(_constant_params(kernel, args, constant)))
+            probe = _probe(kernel, name, constants)
             read_here = _check(probe, kernel, args, dims, name)
         except _NoProof:
             continue
@@ -64,15 +66,9 @@ def prove(kernel, args: list, dims: tuple[int, ...], names: list[str], constant:
 def _constant_params(kernel, args, constant) -> list[str]:
     """Array parameters the probe may load from: arrays the kernel does not write and the program keeps
     constant so far (``constant``: not an input, not written by an earlier operation)."""
-    uses = _access_uses(kernel)
+    uses = kernel_array_uses(kernel)
     return [p.label for p, a in zip(kernel.adj.args, args)
             if isinstance(a, wp.array) and p.label in uses and not uses[p.label].writes and constant(a)]
-
-
-def _access_uses(kernel):
-    from ._signature import kernel_array_uses  # (the analysis behind every decision; imported late: no circle)
-
-    return kernel_array_uses(kernel)
 
 
 class _Probe:
@@ -252,7 +248,10 @@ class _ProbeBuilder:
                     raise _NoProof(f"line {stmt.lineno}: a thread index assigned again")
                 self.tid = names
                 self.known |= set(names)
-                return [ast.unparse(stmt)]
+                flat = names[0]
+                for k, t in enumerate(names[1:], start=1):
+                    flat = f"({flat}) * {_PREFIX}d{k} + {t}"  # (row-major, as the table's rows)
+                return [ast.unparse(stmt), f"{_PREFIX}t = {flat}"]
             if isinstance(target, ast.Name) and self.assigned.get(target.id) == 1:
                 if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id == self.name:
                     indices = value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice]
@@ -317,12 +316,7 @@ class _ProbeBuilder:
         for (k1, p1), (k2, p2) in itertools.combinations(self.order, 2):  # k1 comes first in program order
             if k1 != "read" and k2 == "read" and _on_one_path(p1, p2):
                 raise _NoProof("a read after a write on one path")
-        tid_index = next(i for i, line in enumerate(lines) if line.startswith(", ".join(self.tid)))
         dims = [f"{_PREFIX}d{k}" for k in range(len(self.tid))]
-        flat = self.tid[0]
-        for t, d in zip(self.tid[1:], dims[1:]):
-            flat = f"({flat}) * {d} + {t}"
-        lines.insert(tid_index + 1, f"{_PREFIX}t = {flat}")
         annotations = {**self.params, **{d: int for d in dims}, f"{_PREFIX}out": wp.array2d(dtype=wp.int64)}
         name = f"{_PREFIX}probe"
         source = f"def {name}({', '.join(annotations)}):\n" + "".join(f"    {line}\n" for line in lines)
