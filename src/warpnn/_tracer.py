@@ -635,7 +635,9 @@ class _Recorder:
     def settle_proofs(self) -> None:
         """Launch-time proofs (``_with_elements_owned``) whose arrays a later operation wrote fall back to the
         kernel as launched (its refusal stands)."""
-        for index, keys, launched, _, _ in self.proofs:
+        for index, keys, launched, twin, _ in self.proofs:
+            if index >= len(self.ops) or self.ops[index].kernel is not twin:
+                continue  # (the launch recorded nothing)
             if any(keys & self._written_by(op) for op in self.ops[index + 1:]):
                 self.ops[index] = dataclasses.replace(self.ops[index], kernel=launched)
 

@@ -43,8 +43,8 @@ class _StaticExpressions(ast.NodeTransformer):
 
     def _static(self, node, value):
         code = self.source.get(id(value))
-        if code is None:
-            raise ValueError(f"a wp.static() value warpnn cannot name again: {value!r}")
+        if code is None:  # (not from wp.static(): left as it is, as before)
+            return node
         return ast.copy_location(ast.parse(f"{WP_NAME}.static({code})", mode="eval").body, node)
 
     def visit_Name(self, node):
