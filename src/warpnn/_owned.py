@@ -155,7 +155,7 @@ class _ProbeBuilder:
                 return all(self._is_known(i, False) for i in indices)
             if isinstance(base, ast.Name) and base.id in self.known:  # a component of a known vector
                 return all(self._is_known(i, False) for i in indices)
-            if loads and isinstance(base, ast.Name) and base.id in self.constants \
+            if loads and isinstance(base, ast.Name) and base.id in self.constants and self.assigned.get(base.id) == 1 \
                     and len(indices) == self.arrays[base.id].ndim and all(self._is_known(i, loads) for i in indices):
                 self.loads.add(base.id)
                 return True
@@ -280,6 +280,7 @@ class _ProbeBuilder:
         if isinstance(stmt, (ast.For, ast.While)):
             if self._mentions(stmt):
                 raise _NoProof(f"line {stmt.lineno}: the array accessed in a loop")
+            self.after_return |= any(isinstance(n, ast.Return) for n in ast.walk(stmt))
             return []
         if isinstance(stmt, ast.If):
             tested = self._reads(stmt.test, path, loads, stmt.lineno, condition=True)  # (it runs before either side)
