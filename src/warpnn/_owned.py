@@ -22,6 +22,7 @@ and the tracer checks at the end of the trace that nothing wrote the index array
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import itertools
 from typing import Any, Callable
@@ -71,11 +72,11 @@ def _constant_params(kernel, args, constant) -> list[str]:
             if isinstance(a, wp.array) and p.label in uses and not uses[p.label].writes and constant(a)]
 
 
+@dataclasses.dataclass(frozen=True)
 class _Probe:
-    def __init__(self, kernel, columns: list[tuple[str, int]], loads: frozenset[str]):
-        self.kernel = kernel
-        self.columns = columns  # per access: ("read" | "write", first column), ndim columns each
-        self.loads = loads  # the constant arrays the probe reads
+    kernel: Any
+    columns: tuple[tuple[str, int], ...]  # per access: ("read" | "write", first column), ndim columns each
+    loads: frozenset[str]  # the constant arrays the probe reads
 
 
 @functools.lru_cache(maxsize=256)
@@ -324,7 +325,7 @@ class _ProbeBuilder:
         kernel = _twins.kernel_from_source(self.kernel, source, name, annotations,
                                            key=f"{self.kernel.key}__wnowned_{self.name}", kind="warpnn_owned_probe",
                                            options={"enable_backward": False})
-        return _Probe(kernel, self.columns, frozenset(self.loads))
+        return _Probe(kernel, tuple(self.columns), frozenset(self.loads))
 
 
 def _assignment_counts(fn: ast.FunctionDef) -> dict[str, int]:

@@ -194,14 +194,11 @@ class WarpProgram:
         next read one must carry such a pair as state: the replay would read its trace-time value every step."""
         read, written = set(), set()
         for op in self._ops:
+            written |= _written_keys(op)
             if isinstance(op, _Launch):
                 read |= {value for kind, value in op.inputs if kind == "array"}
-                written |= {key for key, _ in op.results if key is not None}
             elif isinstance(op, (_Copy, _Set)):
                 read.add(op.src)
-                written.add(op.dest)
-            elif isinstance(op, _Fill):
-                written.add(op.dest)
         base = lambda key: self._views.get(key, key)  # noqa: E731
         read, written = {base(k) for k in read}, {base(k) for k in written}
         inputs = set(self._input_keys.values())
@@ -421,6 +418,11 @@ def _scalar_dtype(warp_dtype) -> np.dtype:
     return np.dtype(wp.dtype_to_jax(scalar))
 
 
+def _written_keys(op) -> set:
+    """The keys of the arrays a recorded operation writes: a launch's results, a copy's, fill's or set's dest."""
+    return {key for key, _ in op.results if key is not None} if isinstance(op, _Launch) else {op.dest}
+
+
 class _Recorder:
     def __init__(self, input_arrays: Mapping[str, wp.array], frozen_host_ops: bool):
         self.ops: list = []
@@ -629,8 +631,7 @@ class _Recorder:
 
     def _written_by(self, op) -> set:
         """The arrays (their base arrays' keys) a recorded operation writes."""
-        keys = {key for key, _ in op.results if key is not None} if isinstance(op, _Launch) else {op.dest}
-        return {self.views.get(k, k) for k in keys}
+        return {self.views.get(k, k) for k in _written_keys(op)}
 
     def settle_proofs(self) -> None:
         """Launch-time proofs (``_with_elements_owned``) whose arrays a later operation wrote fall back to the
