@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
-from . import _access, _owned, _value_args
+from . import _access, _bounded, _owned, _value_args
 from ._batched import with_parameters_merged, with_parameters_reordered
 from ._bridge import jax_kernel
 from ._signature import fully_written, kernel_array_uses, signature_of
@@ -537,7 +537,8 @@ class _Recorder:
             kernel = _value_args.with_components(kernel)
             params = kernel.adj.args
         uses = kernel_array_uses(kernel)
-        kernel, uses = self._with_elements_owned(kernel, args, dims, uses, block_dim)
+        if not block_dim:
+            kernel, uses = self._with_launch_proofs(kernel, args, dims, uses)
         params = kernel.adj.args
         is_array = [p.label in uses for p in params]
         written = [is_array[i] and uses[p.label].writes for i, p in enumerate(params)]
@@ -595,22 +596,41 @@ class _Recorder:
         self.ops.append(_Launch(kernel, dims, block_dim or None, len(results), tuple(in_out),
                                 tuple(call_inputs), tuple(results), tuple(output_dims)))
 
-    def _with_elements_owned(self, kernel, args, dims, uses, block_dim):
-        """``kernel`` and its uses or, where a proof from the program's constants places the elements of the arrays
-        it updates in place at computed indices (``_owned.py``: mujoco_warp's ``qpos`` by joint), its twin that
-        records so. ``settle_proofs`` checks at the end that nothing wrote the arrays the proof read."""
-        names = [p.label for p, a in zip(kernel.adj.args, args)
-                 if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
-        if not names or block_dim:
-            return kernel, uses
+    def _with_launch_proofs(self, kernel, args, dims, uses):
+        """``kernel`` and its uses or, where proofs from the program's constants make its adjoint right, the twin
+        they allow: the elements of arrays it updates in place at computed indices placed per thread
+        (``_owned.py``: mujoco_warp's ``qpos`` by joint), dynamic loops bounded by the model unrolled
+        (``_bounded.py``), or both. ``settle_proofs`` checks at the end that nothing wrote the arrays they read."""
+        in_place = [p.label for p, a in zip(kernel.adj.args, args)
+                    if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
         with self.suspended():
-            owned, read = _owned.prove(kernel, args, dims, names, self._constant_so_far)
-        if not owned:
+            owned, read = _owned.prove(kernel, args, dims, in_place, self._constant_so_far) if in_place \
+                else (frozenset(), [])
+            found = None
+            if _access.codegen_facts(kernel).adjoint_problems:  # (loops: bounded where the constants fix them)
+                found = _bounded.bounded(kernel, args, dims, self._constant_so_far,
+                                         accept=lambda twin: self._all_owned(twin, args, dims))
+        if found is not None:
+            twin, read, (owned, read_by_proof) = found
+            read = [*read, *read_by_proof]
+            twin = _owned.with_elements_owned(twin, owned) if owned else twin
+        elif owned:
+            twin = _owned.with_elements_owned(kernel, owned)
+        else:
             return kernel, uses
         keys = {self.views.get(k, k) for k in (self.register(a, "index array") for a in read)}
-        twin = _owned.with_elements_owned(kernel, owned)
         self.proofs.append((len(self.ops), frozenset(keys), kernel, twin, owned))
         return twin, kernel_array_uses(twin)
+
+    def _all_owned(self, kernel, args, dims):
+        """``(owned, arrays read)`` where a proof places every array ``kernel`` updates in place, else None."""
+        uses = kernel_array_uses(kernel)
+        names = [p.label for p, a in zip(kernel.adj.args, args)
+                 if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
+        if not names:
+            return frozenset(), []
+        owned, read = _owned.prove(kernel, args, dims, names, self._constant_so_far)
+        return (owned, read) if owned == frozenset(names) else None
 
     def _proof_reordered(self, kernel, reordered, labels):
         """``reordered`` (``kernel`` with its pure outputs moved last), carrying this launch's proof if it has one."""

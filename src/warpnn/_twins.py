@@ -77,32 +77,49 @@ def twin_of(kernel, kind: str, *, key: str, func=None, code_transformers=(), mod
 
 
 def kernel_from_source(kernel, source: str, name: str, annotations: dict, key: str, kind: str, *,
-                       options: dict | None = None, module_options: dict | None = None):
+                       options: dict | None = None, module_options: dict | None = None, names: dict | None = None):
     """A twin built from ``source`` (a function ``name`` whose parameters are ``annotations``' keys, in order),
-    resolving names as ``kernel`` does (plus ``warpnn_wp``), with ``kernel``'s options (``options`` over them)."""
-    func = _stub_function(kernel.func, name, list(annotations))
+    resolving names as ``kernel`` does (plus ``warpnn_wp`` and ``names``), with ``kernel``'s options (``options``
+    over them)."""
+    func = _stub_function(kernel.func, name, list(annotations), names)
     func.__annotations__ = dict(annotations)
     return wp.Kernel(func, key=key, module=twin_module(kernel, kind, module_options=module_options),
                      options={**kernel.options, **(options or {})}, source=source)
 
 
-def _stub_function(original, name: str, params: list[str]):
+def function_from_source(function, source: str, name: str, annotations: dict, key: str, *,
+                         names: dict | None = None):
+    """A ``@wp.func`` twin of ``function`` built from ``source`` (``name``, taking ``annotations``' keys; its
+    ``"return"`` entry the value type), resolving names as ``function`` does (plus ``warpnn_wp`` and ``names``)."""
+    from warp._src.context import Function
+
+    func = _stub_function(function.func, name, [k for k in annotations if k != "return"], names)
+    func.__annotations__ = dict(annotations)
+    return Function(func=func, key=key, namespace="", module=wp.get_module(f"warpnn_function.{key}"),
+                    value_func=None, source=source, scope_locals={})
+
+
+def _stub_function(original, name: str, params: list[str], names: dict | None = None):
     """A Python function named ``name`` taking ``params``, with ``original``'s globals and closure cells, so
-    Warp resolves every name of the generated source as it resolves the original kernel's (plus ``warpnn_wp``)."""
+    Warp resolves every name of the generated source as it resolves the original kernel's (plus ``warpnn_wp``
+    and ``names``, closure cells over the original's names)."""
+    names = dict(names or {})
     # A kernel generated from a generated one (the batched twin of a reordered kernel) already has warpnn_wp.
-    freevars = tuple(n for n in original.__code__.co_freevars if n != WP_NAME)
-    inner_refs = "; ".join((*freevars, WP_NAME)) or "pass"
+    freevars = tuple(n for n in original.__code__.co_freevars if n != WP_NAME and n not in names)
+    cell_names = (*freevars, WP_NAME, *names)
+    inner_refs = "; ".join(cell_names) or "pass"
     factory_src = (
-        f"def _factory({', '.join((*freevars, WP_NAME))}):\n"
+        f"def _factory({', '.join(cell_names)}):\n"
         f"    def {name}({', '.join(params)}):\n"
         f"        {inner_refs}\n"
         f"    return {name}\n"
     )
     namespace: dict[str, Any] = {}
     exec(compile(factory_src, f"<warpnn kernel generated from {original.__qualname__}>", "exec"), namespace)  # noqa: S102
-    stub = namespace["_factory"](*([None] * (len(freevars) + 1)))
+    stub = namespace["_factory"](*([None] * len(cell_names)))
     cells = dict(zip(original.__code__.co_freevars, original.__closure__ or ()))
     cells[WP_NAME] = types.CellType(wp)
+    cells.update({n: types.CellType(v) for n, v in names.items()})
     closure = tuple(cells[n] for n in stub.__code__.co_freevars)
     func = types.FunctionType(stub.__code__, original.__globals__, name, None, closure)
     func.__module__ = original.__module__
