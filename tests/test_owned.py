@@ -148,3 +148,55 @@ def test_reads_in_conditions_are_placed_too():
     adr = wp.array(np.array([0, 2]), dtype=int)  # every other element: the read is no other thread's
     program = warpnn.trace(lambda: wp.launch(reads_in_conditions, 2, [adr, q, q]), {"q": q}, {"q": q})
     assert program.reverse_refusals() == {}
+
+
+@wp.kernel
+def walk_branches(branch_start: wp.array(dtype=int), branch_bodies: wp.array(dtype=int), parent: wp.array(dtype=int),
+                  q: wp.array(dtype=float), x: wp.array(dtype=float)):
+    # mujoco_warp's _kinematics_branch in miniature: one thread per branch of the tree, root to leaf, each body's
+    # value from its parent's, which the same thread wrote one iteration before (x[0], the world, is read only)
+    b = wp.tid()
+    for i in range(branch_start[b], branch_start[b + 1]):
+        body = branch_bodies[i]
+        x[body] = x[parent[body]] * wp.cos(q[body]) + q[body]
+
+
+def _tree(branch_start, branch_bodies, parent):
+    q = wp.array(np.linspace(0.3, 1.2, len(parent)).astype(np.float32))
+    x = wp.array(np.r_[1.5, np.zeros(len(parent) - 1)].astype(np.float32))
+    arrays = [wp.array(np.asarray(a), dtype=int) for a in (branch_start, branch_bodies, parent)]
+    program = warpnn.trace(lambda: wp.launch(walk_branches, len(branch_start) - 1, [*arrays, q, x]),
+                           {"q": q, "x": x}, {"x": x})
+    return program, q.numpy(), x.numpy()
+
+
+def walk_reference(q, x, order, parent):
+    for body in order:
+        x = x.at[body].set(x[parent[body]] * jnp.cos(q[body]) + q[body])
+    return x
+
+
+def test_a_walk_down_a_chain_replays_on_the_values_it_wrote():
+    # one branch (a chain, as an arm): every read of x but the world's comes after this thread's one write of it,
+    # so the adjoint replays on x after the launch
+    parent = [0, 0, 1, 2, 3]
+    program, q0, x0 = _tree([0, 4], [1, 2, 3, 4], parent)
+    assert program.reverse_refusals() == {}
+
+    def loss(program_or_none, q, x):
+        out = program({"q": q, "x": x})["x"] if program_or_none else walk_reference(q, x, [1, 2, 3, 4], parent)
+        return (jnp.cos(jnp.arange(5.0)) * out).sum()
+
+    args = (jnp.asarray(q0), jnp.asarray(x0))
+    assert_close(program({"q": args[0], "x": args[1]})["x"], walk_reference(*args, [1, 2, 3, 4], parent))
+    for got, want in zip(jax.jit(jax.grad(lambda q, x: loss(True, q, x), argnums=(0, 1)))(*args),
+                         jax.grad(lambda q, x: loss(False, q, x), argnums=(0, 1))(*args)):
+        assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_branches_sharing_a_body_stay_refused():
+    # two branches through body 1: both threads write it (the same value), and Warp's adjoint would count its
+    # gradient twice: no proof
+    parent = [0, 0, 1, 1]
+    program, _, _ = _tree([0, 2, 4], [1, 2, 1, 3], parent)
+    assert "touches an element other than" in program.reverse_refusals().get(walk_branches.key, "")

@@ -85,8 +85,11 @@ class ArrayUse:
     # `a.ptr` anywhere ("line 12: '.shape' inside @wp.func 'west'"); None if nowhere.
     adjoint_reset: str | None = None
     # A launch-time proof (the launch tracer's, _owned.py) that no thread touches an element another thread of the
-    # launch writes, and that on every path each read comes before the writes: for a twin launched only there.
+    # launch writes, and that each thread reads an element it writes only before its writes or, with
+    # replay_outputs, only after its one write (the adjoint then replays on the array's values after the launch,
+    # which are what those reads saw): for a twin launched only there.
     elements_owned: bool = False
+    replay_outputs: bool = False
 
     @property
     def reads(self) -> bool:
@@ -130,8 +133,8 @@ class ArrayUse:
         if any(a.kind == "read-write" for a in self.accesses):
             a = self.first("read-write")
             return f"it is updated by an atomic that also reads it (line {a.line})"
-        if self.elements_owned and not any(a.via or a.loops for a in self.accesses):
-            return None  # (the proof checked the elements and the order, path by path)
+        if self.elements_owned and not any(a.via for a in self.accesses):
+            return None  # (the proof checked the elements and the order, thread by thread, static loops unrolled)
         stray = next((a for a in self.accesses if not a.own_element), None)
         if stray is not None:
             where = f" inside @wp.func '{stray.via}'" if stray.via else ""
@@ -499,19 +502,20 @@ def analyse_array_uses(kernel, specs) -> dict[str, ArrayUse]:
     uses = reconcile(walk_array_uses(kernel, specs), codegen_access(kernel))
     owned = _ELEMENTS_OWNED.get(id(kernel))
     if owned is not None and owned[0] is kernel:
-        uses.update({n: dataclasses.replace(uses[n], elements_owned=True) for n in owned[1]
-                     if n in uses and uses[n].undecided is None})
+        uses.update({n: dataclasses.replace(uses[n], elements_owned=True, replay_outputs=n in owned[2])
+                     for n in owned[1] if n in uses and uses[n].undecided is None})
     return uses
 
 
 # Twins (made by the launch tracer for one launch each) whose arrays' elements a launch-time proof placed:
-# id(kernel) -> (kernel, names). See _owned.py.
-_ELEMENTS_OWNED: dict[int, tuple[object, frozenset[str]]] = {}
+# id(kernel) -> (kernel, names, those the adjoint replays on their values after the launch). See _owned.py.
+_ELEMENTS_OWNED: dict[int, tuple[object, frozenset[str], frozenset[str]]] = {}
 
 
-def declare_elements_owned(kernel, names: frozenset[str]) -> None:
-    """Record that a proof placed every access of ``names`` by the twin ``kernel`` (before its facts are asked)."""
-    _ELEMENTS_OWNED[id(kernel)] = (kernel, names)
+def declare_elements_owned(kernel, names: frozenset[str], replay_outputs: frozenset[str] = frozenset()) -> None:
+    """Record that a proof placed every access of ``names`` by the twin ``kernel`` (before its facts are asked),
+    and that each read of an element of ``replay_outputs`` the thread writes comes after its one write of it."""
+    _ELEMENTS_OWNED[id(kernel)] = (kernel, names, replay_outputs)
 
 
 def walk_array_uses(kernel, specs) -> dict[str, ArrayUse]:

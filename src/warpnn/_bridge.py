@@ -820,6 +820,13 @@ def _differentiable_call_fwd(plan, *primals):
     # are kept to fill their slot. The in-out arrays' values before the launch are among `arrays`.
     n_in_out = len(plan.sig.in_out)
     kept = tuple(None if spec.is_float else out for spec, out in zip(plan.sig.outputs, results[n_in_out:]))
+    # In-out arrays whose reads of written elements all follow the write (a launch-time proof, _owned.py): Warp's
+    # adjoint replays the launch on their values after it, which are what those reads saw.
+    after = getattr(plan.sig, "replay_on_outputs", ())
+    if after:
+        by_name = {spec.name: out for spec, out in zip(plan.sig.in_out, results[:n_in_out])}
+        arrays = tuple(by_name[spec.name] if spec.name in after else a
+                       for spec, a in zip(plan.sig.array_inputs, arrays))
     # Inputs JAX does not differentiate (constants, stop_gradient, parameters outside the grad) get no
     # adjoint buffer: Warp skips the atomic adds into them, and nothing is zeroed for them.
     constant = frozenset(spec.name for spec, p in zip(plan.sig.array_inputs, primals) if not p.perturbed)

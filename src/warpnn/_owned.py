@@ -44,24 +44,27 @@ class _NoProof(Exception):
 
 def prove(kernel, args: list, dims: tuple[int, ...], names: list[str], constant: Callable[[Any], bool]):
     """The arrays among ``names`` (read and written by this launch of ``kernel`` with ``args`` over ``dims``)
-    whose elements each thread provably owns, and the arrays the proof read (they must stay constant)."""
-    owned, read = [], []
+    whose elements each thread provably owns, ``{name: replay}`` (``"inputs"``: every read of an element the
+    thread writes comes before its writes, so Warp's adjoint replays on the array's values before the launch;
+    ``"outputs"``: every such read comes after the thread's one write of it, so the adjoint replays on the values
+    after), and the arrays the proof read (they must stay constant)."""
+    owned: dict[str, str] = {}
+    read: list = []
     by_name = dict(zip((a.label for a in kernel.adj.args), args))
     constants = frozenset(_constant_params(kernel, args, constant))
     for name in names:
         if isinstance(by_name.get(name), wp.array) and by_name[name].size == 0:
-            owned.append(name)  # no elements: none a thread could read after another wrote it (na = 0 actuators)
+            owned[name] = "inputs"  # no elements: none a thread could read after another wrote it (na = 0 actuators)
             continue
         try:
             probe = _probe(kernel, name, constants)
-            read_here = _check(probe, kernel, args, dims, name)
+            owned[name], read_here = _check(probe, kernel, args, dims, name)
         except _NoProof:
             continue
         except Exception:  # noqa: BLE001 - a probe Warp cannot build or run: no proof, the refusal stands
             continue
-        owned.append(name)
         read += read_here
-    return frozenset(owned), read
+    return owned, read
 
 
 def _constant_params(kernel, args, constant) -> list[str]:
@@ -75,7 +78,9 @@ def _constant_params(kernel, args, constant) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class _Probe:
     kernel: Any
-    columns: tuple[tuple[str, int], ...]  # per access: ("read" | "write", first column), ndim columns each
+    # per access site: ("read" | "write", first column, iterations); each iteration takes ndim index columns and
+    # one for the access's place in the thread's sequence of accesses
+    columns: tuple[tuple[str, int, int], ...]
     loads: frozenset[str]  # the constant arrays the probe reads
 
 
@@ -94,26 +99,33 @@ def _probe(kernel, name: str, constants: frozenset[str]) -> _Probe:
     return probe
 
 
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where the probe is in the kernel: may it load (the kernel surely evaluates the same there), the flat
+    iteration of the static loops around (an expression) and how many there are."""
+
+    loads: bool = True
+    iteration: str = "0"
+    iterations: int = 1
+
+
 class _ProbeBuilder:
-    """The probe's source: the kernel's index computations and ``if`` skeleton, each access of ``name`` replaced
-    by stores of its indices into ``wnowned_out[thread, column]``."""
+    """The probe's source: the kernel's statements that compute values the program's constants fix (its indices,
+    its ``if`` and loop structure where the constants decide it: ``_bounded._Clean``), each access of ``name``
+    replaced by stores of its indices and its place in the thread's accesses into ``wnowned_out[thread, ...]``."""
 
     def __init__(self, kernel, name: str, constants: frozenset[str]):
+        from ._bounded import _Clean
+
         self.kernel, self.name = kernel, name
-        self.fn = _access._function_def(kernel.adj.tree)
-        self.globals = _access._names_visible_to(kernel.func)
+        self.fn = _twins.copy_tree(_access._function_def(kernel.adj.tree), kernel)
         self.params = {a.label: a.type for a in kernel.adj.args}
         self.arrays = {n: t for n, t in self.params.items() if wc.matches_array_class(t, wp.array)}
-        self.scalars = {n for n, t in self.params.items() if wp.types.type_is_scalar(t) or t in (wp.bool, int, float, bool)}
-        self.constants = constants
         self.ndim = self.arrays[name].ndim if name in self.arrays else None
-        self.assigned = _assignment_counts(self.fn)
-        self.known: set[str] = set()  # top-level names whose values the probe computes as the kernel does
+        self.clean = _Clean(kernel, self.fn, constants)
         self.views: dict[str, list[str]] = {}  # row views of the array: name -> the probe's names of its indices
-        self.loads: set[str] = set()
-        self.columns: list[tuple[str, int]] = []
+        self.columns: list[tuple[str, int, int]] = []
         self.width = 0
-        self.order: list[tuple[str, tuple]] = []  # (kind, path) in program order
         self.counter = itertools.count()
         self.tid: list[str] = []
         self.after_return = False  # a return seen: loads after it may be ones the kernel's thread never makes
@@ -122,45 +134,10 @@ class _ProbeBuilder:
 
     def _is_known(self, e: ast.AST, loads: bool) -> bool:
         """Whether the probe computes ``e`` as the kernel does (``loads``: may it load from constant arrays)."""
-        if isinstance(e, ast.Constant):
-            return isinstance(e.value, (int, float, bool))
-        if isinstance(e, ast.Name):
-            if e.id in self.known or (e.id in self.scalars and self.assigned.get(e.id) == 1):
-                return True
-            value = self.globals.get(e.id) if e.id not in self.params and self.assigned.get(e.id, 0) == 0 else None
-            return isinstance(value, (int, float, bool)) and not isinstance(value, type)
-        if isinstance(e, ast.Attribute):  # an enum value (JointType.FREE)
-            owner = self.globals.get(e.value.id) if isinstance(e.value, ast.Name) and e.value.id not in self.params \
-                and self.assigned.get(e.value.id, 0) == 0 else None
-            return owner is not None and isinstance(getattr(owner, e.attr, None), (int, float, bool))
-        if isinstance(e, ast.BinOp):
-            return self._is_known(e.left, loads) and self._is_known(e.right, loads)
-        if isinstance(e, ast.UnaryOp):
-            return self._is_known(e.operand, loads)
-        if isinstance(e, (ast.BoolOp,)):
-            return all(self._is_known(v, loads) for v in e.values)
-        if isinstance(e, ast.Compare):
-            return self._is_known(e.left, loads) and all(self._is_known(c, loads) for c in e.comparators)
-        if isinstance(e, ast.IfExp):
-            return all(self._is_known(v, loads) for v in (e.test, e.body, e.orelse))
-        if isinstance(e, ast.Call):
-            f = e.func
-            name = f.attr if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in (
-                "wp", _twins.WP_NAME) else f.id if isinstance(f, ast.Name) else None
-            return name in _SAFE_CALLS and not e.keywords and all(self._is_known(a, loads) for a in e.args)
-        if isinstance(e, ast.Subscript):
-            indices = e.slice.elts if isinstance(e.slice, ast.Tuple) else [e.slice]
-            base = e.value
-            if isinstance(base, ast.Attribute) and base.attr == "shape" and isinstance(base.value, ast.Name) \
-                    and base.value.id in self.arrays:
-                return all(self._is_known(i, False) for i in indices)
-            if isinstance(base, ast.Name) and base.id in self.known:  # a component of a known vector
-                return all(self._is_known(i, False) for i in indices)
-            if loads and isinstance(base, ast.Name) and base.id in self.constants and self.assigned.get(base.id) == 1 \
-                    and len(indices) == self.arrays[base.id].ndim and all(self._is_known(i, loads) for i in indices):
-                self.loads.add(base.id)
-                return True
-        return False
+        if not self.clean.expr(e):
+            return False
+        return loads or not any(isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
+                                and n.value.id in self.arrays for n in ast.walk(e))
 
     # -- the array's accesses
 
@@ -185,17 +162,21 @@ class _ProbeBuilder:
     def _mentions(self, node: ast.AST) -> bool:
         return any(isinstance(n, ast.Name) and (n.id == self.name or n.id in self.views) for n in ast.walk(node))
 
-    def _record(self, kind: str, full: list[ast.AST], path: tuple, loads: bool, lineno: int) -> list[str]:
-        if not all(self._is_known(i, loads) for i in full):
+    def _record(self, kind: str, full: list[ast.AST], where: _Where, lineno: int) -> list[str]:
+        if not all(self._is_known(i, where.loads and not self.after_return) or
+                   (isinstance(i, ast.Name) and i.id.startswith(_PREFIX)) for i in full):
             raise _NoProof(f"line {lineno}: an index the probe cannot compute")
+        step = len(full) + 1
         column = self.width
-        self.width += len(full)
-        self.columns.append((kind, column))
-        self.order.append((kind, path))
-        return [f"{_PREFIX}out[{_PREFIX}t, {column + d}] = {_twins.WP_NAME}.int64({ast.unparse(i)})"
-                for d, i in enumerate(full)]
+        self.width += step * where.iterations
+        self.columns.append((kind, column, where.iterations))
+        at = f"{column} + ({where.iteration}) * {step}"
+        return [*(f"{_PREFIX}out[{_PREFIX}t, {at} + {d}] = {_twins.WP_NAME}.int64({ast.unparse(i)})"
+                  for d, i in enumerate(full)),
+                f"{_PREFIX}out[{_PREFIX}t, {at} + {len(full)}] = {_twins.WP_NAME}.int64({_PREFIX}seq)",
+                f"{_PREFIX}seq = {_PREFIX}seq + 1"]
 
-    def _accesses(self, stmt: ast.stmt, path: tuple, loads: bool) -> list[str]:
+    def _accesses(self, stmt: ast.stmt, where: _Where) -> list[str]:
         """Recording statements for the accesses of the array in ``stmt`` (not a compound statement), reads
         (in evaluation order: right-hand side first) before writes."""
         reads, writes = [], []
@@ -212,17 +193,17 @@ class _ProbeBuilder:
         else:
             values = [c for c in ast.iter_child_nodes(stmt) if isinstance(c, ast.expr)]
         for value in values:
-            reads += self._reads(value, path, loads, stmt.lineno)
+            reads += self._reads(value, where, stmt.lineno)
         for t in targets:
             for target in (t.elts if isinstance(t, ast.Tuple) else [t]):
                 full = self._indices_of(target)
                 if full is not None:
-                    writes += self._record("write", full, path, loads, stmt.lineno)
+                    writes += self._record("write", full, where, stmt.lineno)
                 elif self._mentions(target):
                     raise _NoProof(f"line {stmt.lineno}: the array rebound")
         return reads + writes
 
-    def _reads(self, value: ast.expr, path: tuple, loads: bool, lineno: int, condition: bool = False) -> list[str]:
+    def _reads(self, value: ast.expr, where: _Where, lineno: int, condition: bool = False) -> list[str]:
         """Recording statements for the elements of the array ``value`` reads. Any other use of the array (passed
         to a function, which may access it where the probe cannot see) means no proof; ``a.shape`` is no access,
         and neither is ``if a:`` (Warp's null-array test: the whole condition)."""
@@ -230,7 +211,7 @@ class _ProbeBuilder:
         for n in ast.walk(value):
             full = self._indices_of(n) if isinstance(n, ast.Subscript) else None
             if full is not None:
-                lines += self._record("read", full, path, loads, lineno)
+                lines += self._record("read", full, where, lineno)
             elif isinstance(n, ast.Name) and (n.id == self.name or n.id in self.views) and not (condition and n is value) and not any(
                     isinstance(p, ast.Subscript) and p.value is n for p in ast.walk(value)) and not any(
                     isinstance(p, ast.Attribute) and p.value is n and p.attr == "shape" for p in ast.walk(value)):
@@ -239,157 +220,188 @@ class _ProbeBuilder:
 
     # -- statements
 
-    def _top_level(self, stmt: ast.stmt) -> list[str]:
-        """The probe's lines for one statement of the kernel's body."""
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-            target, value = stmt.targets[0], stmt.value
+    def _binds_clean(self, stmt: ast.stmt) -> bool:
+        """Whether ``stmt`` is an assignment of names the constants fix (the probe runs it as the kernel does)."""
+        if not isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)) or stmt.value is None:
+            return False
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        names = [n for t in targets for n in ast.walk(t)]
+        return all(isinstance(n, (ast.Name, ast.Tuple, ast.Load, ast.Store)) for n in names) and all(
+            n.id not in self.clean.dirty and n.id not in self.params for n in names if isinstance(n, ast.Name)) \
+            and not self._mentions(stmt.value) and self._is_known(stmt.value, not self.after_return)
+
+    def _statement(self, stmt: ast.stmt, where: _Where) -> list[str]:
+        """The probe's lines for one statement of the kernel."""
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) \
+                and isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr == "tid":
+            target = stmt.targets[0]
             names = [t.id for t in (target.elts if isinstance(target, ast.Tuple) else [target]) if isinstance(t, ast.Name)]
-            if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "tid":
-                if any(self.assigned.get(n) != 1 for n in names):
-                    raise _NoProof(f"line {stmt.lineno}: a thread index assigned again")
-                self.tid = names
-                self.known |= set(names)
-                flat = names[0]
-                for k, t in enumerate(names[1:], start=1):
-                    flat = f"({flat}) * {_PREFIX}d{k} + {t}"  # (row-major, as the table's rows)
-                return [ast.unparse(stmt), f"{_PREFIX}t = {flat}"]
-            if isinstance(target, ast.Name) and self.assigned.get(target.id) == 1:
-                if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id == self.name:
-                    indices = value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice]
-                    if len(indices) < (self.ndim or 0):  # a row view of the array
-                        if not all(self._is_known(i, True) for i in indices):
-                            raise _NoProof(f"line {stmt.lineno}: a view at an index the probe cannot compute")
-                        self.views[target.id] = [f"{_PREFIX}v{next(self.counter)}" for _ in indices]
-                        self.known |= set(self.views[target.id])
-                        return [f"{v} = {ast.unparse(i)}" for v, i in zip(self.views[target.id], indices)]
-                if not self._mentions(value) and self._is_known(value, not self.after_return):
-                    self.known.add(target.id)
-                    return [ast.unparse(stmt)]
-        if isinstance(stmt, ast.If) and self._only_returns(stmt) and self._is_known(stmt.test, not self.after_return):
-            return [ast.unparse(stmt)]  # a guard the kernel's threads leave by: the probe's leave too
-        if isinstance(stmt, ast.Return) or (isinstance(stmt, ast.If) and self._only_returns(stmt)):
-            raise _NoProof(f"line {stmt.lineno}: a return the probe cannot place")
-        return self._nested(stmt, (), not self.after_return)
-
-    @staticmethod
-    def _only_returns(stmt: ast.If) -> bool:
-        return bool(stmt.body) and all(isinstance(s, ast.Return) and s.value is None for s in stmt.body) and not stmt.orelse
-
-    def _nested(self, stmt: ast.stmt, path: tuple, loads: bool) -> list[str]:
-        """Lines recording the accesses in ``stmt``, under the kernel's conditions where the probe computes them
-        (``loads``: whether the kernel surely evaluates what the probe evaluates here)."""
-        if isinstance(stmt, (ast.For, ast.While)):
-            if self._mentions(stmt):
-                raise _NoProof(f"line {stmt.lineno}: the array accessed in a loop")
-            self.after_return |= any(isinstance(n, ast.Return) for n in ast.walk(stmt))
-            return []
+            if self.tid or where.iterations != 1 or self.clean.parents.get(stmt) is not self.fn:
+                raise _NoProof(f"line {stmt.lineno}: wp.tid() not once at the top")
+            self.tid = names
+            flat = names[0]
+            for k, t in enumerate(names[1:], start=1):
+                flat = f"({flat}) * {_PREFIX}d{k} + {t}"  # (row-major, as the table's rows)
+            return [ast.unparse(stmt), f"{_PREFIX}t = {flat}", f"{_PREFIX}seq = int(0)"]
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
+                and isinstance(stmt.value, ast.Subscript) and isinstance(stmt.value.value, ast.Name) \
+                and stmt.value.value.id == self.name:
+            indices = stmt.value.slice.elts if isinstance(stmt.value.slice, ast.Tuple) else [stmt.value.slice]
+            if len(indices) < (self.ndim or 0):  # a row view of the array
+                target = stmt.targets[0].id
+                if target in self.views or any(isinstance(n, ast.Name) and n.id == target and isinstance(n.ctx, ast.Store)
+                                               and n is not stmt.targets[0] for n in ast.walk(self.fn)):
+                    raise _NoProof(f"line {stmt.lineno}: a view bound twice")
+                if where.iterations != 1 or not all(self._is_known(i, where.loads) for i in indices):
+                    raise _NoProof(f"line {stmt.lineno}: a view at an index the probe cannot compute")
+                self.views[target] = [f"{_PREFIX}v{next(self.counter)}" for _ in indices]
+                return [f"{v} = {ast.unparse(i)}" for v, i in zip(self.views[target], indices)]
+        if self._binds_clean(stmt):
+            return [ast.unparse(stmt)]
         if isinstance(stmt, ast.If):
-            tested = self._reads(stmt.test, path, loads, stmt.lineno, condition=True)  # (it runs before either side)
-            known = self._is_known(stmt.test, loads)  # the kernel's condition, as the kernel evaluates it
-            inner = loads and known  # (else both sides are recorded: no load the kernel may not make)
-            arms = (self._block(stmt.body, (*path, (id(stmt), 0)), inner),
-                    self._block(stmt.orelse, (*path, (id(stmt), 1)), inner))
-            if not any(arms):
-                return tested
+            tested = self._reads(stmt.test, where, stmt.lineno, condition=True)  # (it runs before either side)
+            known = self._is_known(stmt.test, where.loads and not self.after_return)
+            inner = where if known else dataclasses.replace(where, loads=False)
+            arms = (self._block(stmt.body, inner), self._block(stmt.orelse, inner))
             if known:
                 lines = [f"if {ast.unparse(stmt.test)}:", *(f"    {a}" for a in arms[0] or ["pass"])]
                 if arms[1]:
                     lines += ["else:", *(f"    {a}" for a in arms[1])]
                 return [*tested, *lines]
-            return [*tested, *arms[0], *arms[1]]
+            return [*tested, *arms[0], *arms[1]]  # (both sides: a superset, in program order)
+        if isinstance(stmt, ast.For) and _static_range(stmt) is not None and isinstance(stmt.target, ast.Name) \
+                and not any(isinstance(n, (ast.Break, ast.Continue, ast.Return)) for n in ast.walk(stmt)):
+            count = _static_range(stmt)
+            k = stmt.target.id
+            first = 0 if len(stmt.iter.args) == 1 else ast.literal_eval(stmt.iter.args[0])
+            index = f"({k} - {first})" if first else k
+            inner = dataclasses.replace(where, iteration=f"({where.iteration}) * {count} + {index}",
+                                        iterations=where.iterations * count)
+            body = self._block(stmt.body, inner)
+            return [f"for {k} in {ast.unparse(stmt.iter)}:", *(f"    {a}" for a in body or ["pass"])]
+        if isinstance(stmt, (ast.For, ast.While)):
+            if self._mentions(stmt):
+                raise _NoProof(f"line {stmt.lineno}: the array accessed in a dynamic loop")
+            self.after_return |= any(isinstance(n, ast.Return) for n in ast.walk(stmt))
+            if any(self._binds_clean(n) for n in ast.walk(stmt) if isinstance(n, ast.stmt)):
+                raise _NoProof(f"line {stmt.lineno}: a dynamic loop computing values the probe needs")
+            return []
         if isinstance(stmt, ast.With):
-            return self._block(stmt.body, path, loads)
+            return self._block(stmt.body, where)
         if isinstance(stmt, ast.Return):
+            clean = self.clean._exit_clean(stmt) and stmt.value is None
+            if clean and not self.after_return:
+                return ["return"]  # (the kernel's threads leave here: so do the probe's)
             self.after_return = True
-            return []  # (a return inside a branch: the accesses after it are recorded anyway, a superset)
-        return self._accesses(stmt, path, loads)
+            return []  # (the accesses after it are recorded anyway, a superset)
+        if isinstance(stmt, (ast.Break, ast.Continue)):
+            raise _NoProof(f"line {stmt.lineno}: an exit of a loop the probe follows")
+        return self._accesses(stmt, where)
 
-    def _block(self, body: list[ast.stmt], path: tuple, loads: bool) -> list[str]:
-        return [line for s in body for line in self._nested(s, path, loads)]
+    def _block(self, body: list[ast.stmt], where: _Where) -> list[str]:
+        return [line for s in body for line in self._statement(s, where)]
 
     # --
 
     def build(self) -> _Probe:
         if self.ndim is None:
             raise _NoProof("not an array parameter")
-        lines = [line for stmt in self.fn.body for line in self._top_level(stmt)]
+        lines = self._block(self.fn.body, _Where())
         if not self.tid or not self.columns:
             raise _NoProof("no wp.tid() or no access")
-        for (k1, p1), (k2, p2) in itertools.combinations(self.order, 2):  # k1 comes first in program order
-            if k1 != "read" and k2 == "read" and _on_one_path(p1, p2):
-                raise _NoProof("a read after a write on one path")
         dims = [f"{_PREFIX}d{k}" for k in range(len(self.tid))]
         annotations = {**self.params, **{d: int for d in dims}, f"{_PREFIX}out": wp.array2d(dtype=wp.int64)}
         name = f"{_PREFIX}probe"
         source = f"def {name}({', '.join(annotations)}):\n" + "".join(f"    {line}\n" for line in lines)
         kernel = _twins.kernel_from_source(self.kernel, source, name, annotations,
                                            key=f"{self.kernel.key}__wnowned_{self.name}", kind="warpnn_owned_probe",
-                                           options={"enable_backward": False})
-        return _Probe(kernel, tuple(self.columns), frozenset(self.loads))
+                                           options={"enable_backward": False},
+                                           module_options={"max_unroll": max(self.width, 16)})
+        return _Probe(kernel, tuple(self.columns), frozenset(self.clean.loads))
 
 
-def _assignment_counts(fn: ast.FunctionDef) -> dict[str, int]:
-    """How many times each local name is bound anywhere in the function (2 for a name bound in a loop)."""
-    counts: dict[str, int] = {}
-    loops = [n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))]
-    in_loop = {id(m) for loop in loops for m in ast.walk(loop)}
-    for n in ast.walk(fn):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-            counts[n.id] = counts.get(n.id, 0) + (2 if id(n) in in_loop else 1)
-    for a in fn.args.args:
-        counts[a.arg] = counts.get(a.arg, 0) + 1
-    return counts
+def _static_range(loop: ast.For) -> int | None:
+    """The number of iterations of ``for k in range(<literal>)`` / ``range(<literal>, <literal>)``, else None."""
+    call = loop.iter
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "range") \
+            or not 1 <= len(call.args) <= 2:
+        return None
+    try:
+        bounds = [ast.literal_eval(a) for a in call.args]
+    except ValueError:
+        return None
+    if not all(isinstance(b, int) for b in bounds):
+        return None
+    return max(0, bounds[-1] - (bounds[0] if len(bounds) == 2 else 0))
 
 
-def _on_one_path(p1: tuple, p2: tuple) -> bool:
-    """Whether two accesses can both run in one thread: no ``if`` sends them to different sides."""
-    arms = dict(p1)
-    return all(arms.get(node, arm) == arm for node, arm in p2)
-
-
-def _check(probe: _Probe, kernel, args: list, dims: tuple[int, ...], name: str) -> list:
-    """Run the probe; the constant arrays it read if ``name``'s elements are owned, else ``_NoProof``."""
+def _check(probe: _Probe, kernel, args: list, dims: tuple[int, ...], name: str) -> tuple[str, list]:
+    """Run the probe; how the adjoint replays ``name`` (``prove``'s ``"inputs"`` / ``"outputs"``) and the
+    constant arrays the probe read, if its elements are owned, else ``_NoProof``."""
     by_name = dict(zip((a.label for a in kernel.adj.args), args))
     array = by_name[name]
     if not isinstance(array, wp.array) or not array.is_contiguous:
         raise _NoProof("not a contiguous array")
-    width = max(column for _, column in probe.columns) + array.ndim
+    step = array.ndim + 1
+    width = max(column + step * iterations for _, column, iterations in probe.columns)
     threads = int(np.prod(dims))
     out = wp.full((threads, width), -1, dtype=wp.int64, device=array.device)
     wp.launch(probe.kernel, dims, inputs=[*args, *dims], outputs=[out], device=array.device)
     table = out.numpy()
     shape = np.asarray(array.shape, dtype=np.int64)
-    elements, kinds, threads_of = [], [], []
-    for kind, column in probe.columns:
-        index = table[:, column:column + array.ndim]
-        reached = ~(index == -1).all(axis=1)  # (a thread that left early records nothing)
-        index = index[reached]
-        if ((index < 0) | (index >= shape)).any():
-            raise _NoProof("an index out of range")
-        elements.append(np.ravel_multi_index(index.T, tuple(array.shape)) if array.ndim else np.zeros(len(index), np.int64))
-        kinds.append(np.full(len(index), kind != "read"))
-        threads_of.append(np.nonzero(reached)[0])
-    element, written, thread = (np.concatenate(v) for v in (elements, kinds, threads_of))
-    order = np.lexsort((thread, element))
+    elements, kinds, threads_of, places = [], [], [], []
+    for kind, column, iterations in probe.columns:
+        for it in range(iterations):
+            at = column + it * step
+            index = table[:, at:at + array.ndim]
+            reached = table[:, at + array.ndim] >= 0  # (a thread that left early, or an iteration not run: none)
+            index = index[reached]
+            if ((index < 0) | (index >= shape)).any():
+                raise _NoProof("an index out of range")
+            elements.append(np.ravel_multi_index(index.T, tuple(array.shape)) if array.ndim else np.zeros(len(index), np.int64))
+            kinds.append(np.full(len(index), kind != "read"))
+            threads_of.append(np.nonzero(reached)[0])
+            places.append(table[reached, at + array.ndim])
+    element, written, thread, place = (np.concatenate(v) for v in (elements, kinds, threads_of, places))
+    loads = [by_name[n] for n in sorted(probe.loads) if n in by_name]
+    if not len(element):
+        return "inputs", loads
+    order = np.lexsort((place, thread, element))
     element, written, thread = element[order], written[order], thread[order]
     # For each element: the threads that touch it (sorted); one with a write must be the only one.
     starts = np.r_[0, np.nonzero(np.diff(element))[0] + 1]
-    first_thread = np.repeat(thread[starts], np.diff(np.r_[starts, len(element)]))
-    shared = np.maximum.reduceat(thread != first_thread, starts) if len(element) else np.zeros(0, bool)
-    any_write = np.maximum.reduceat(written, starts) if len(element) else np.zeros(0, bool)
+    counts = np.diff(np.r_[starts, len(element)])
+    first_thread = np.repeat(thread[starts], counts)
+    shared = np.maximum.reduceat(thread != first_thread, starts)
+    any_write = np.maximum.reduceat(written, starts)
     if (shared & any_write).any():
         raise _NoProof("an element one thread writes and another touches")
-    return [by_name[n] for n in probe.loads]
+    # Each written element is one thread's, its accesses in that thread's order: the adjoint may replay on the
+    # values before the launch if every read comes before the first write, on those after if the first access is
+    # the only write.
+    group = np.repeat(np.arange(len(starts)), counts)
+    writes = np.add.reduceat(written.astype(np.int64), starts)
+    last_write_group = np.maximum.accumulate(np.where(written, group, -1))
+    reads_after = np.zeros(len(starts), bool)
+    np.logical_or.at(reads_after, group, ~written & (last_write_group == group))
+    mixed = any_write & (writes < counts)  # written elements that are also read
+    inputs_ok = not (mixed & reads_after).any()
+    outputs_ok = not (mixed & ~(written[starts] & (writes == 1))).any()
+    if not (inputs_ok or outputs_ok):
+        raise _NoProof("a read between two writes, or reads both before and after a write")
+    return ("inputs" if inputs_ok else "outputs"), loads
 
 
-def with_elements_owned(kernel, names: frozenset[str]):
-    """A twin of ``kernel`` (same source) whose facts record that a launch-time proof placed every access of
-    ``names`` (``_access.ArrayUse.elements_owned``). Use it only for the launch the proof was about."""
-    return _with_elements_owned(kernel, tuple(sorted(names)))
+def with_elements_owned(kernel, owned: dict[str, str]):
+    """A twin of ``kernel`` (same source) whose facts record that a launch-time proof placed every access of the
+    arrays ``owned`` names (``_access.ArrayUse.elements_owned``), and which of them Warp's adjoint replays on their
+    values after the launch (``"outputs"``). Use it only for the launch the proof was about."""
+    return _with_elements_owned(kernel, tuple(sorted(owned.items())))
 
 
 @functools.lru_cache(maxsize=256)
-def _with_elements_owned(kernel, names: tuple[str, ...]):
+def _with_elements_owned(kernel, owned: tuple[tuple[str, str], ...]):
+    names = [n for n, _ in owned]
     twin = _twins.twin_of(kernel, "warpnn_owned", key=f"{kernel.key}__owned_{'_'.join(names)}")
-    _access.declare_elements_owned(twin, frozenset(names))
+    _access.declare_elements_owned(twin, frozenset(names), frozenset(n for n, how in owned if how == "outputs"))
     return twin

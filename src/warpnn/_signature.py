@@ -248,6 +248,12 @@ class KernelSignature:
         return tuple(a for a in self.input_leaves if a.is_array and a.name not in self.null_inputs)
 
     @functools.cached_property
+    def replay_on_outputs(self) -> tuple[str, ...]:
+        """In-out arrays whose adjoint must replay on their values after the launch: a launch-time proof found that
+        each thread reads an element it writes only after its one write (``ArrayUse.replay_outputs``)."""
+        return tuple(s.name for s in self.in_out if self.uses[s.name].replay_outputs)
+
+    @functools.cached_property
     def in_out(self) -> tuple[ArgSpec, ...]:
         return tuple(a for a in self.input_leaves if a.name in self.in_out_names)
 

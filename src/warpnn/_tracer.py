@@ -426,7 +426,8 @@ def _written_keys(op) -> set:
 class _Recorder:
     def __init__(self, input_arrays: Mapping[str, wp.array], frozen_host_ops: bool):
         self.ops: list = []
-        # launch-time proofs (_owned.py): (op index, arrays read, kernel without the proof, its twin, names)
+        # launch-time proofs (_owned.py, _bounded.py): (op index, arrays read, kernel without the proof, its twin,
+        # {array: how its adjoint replays} for the arrays whose elements are owned)
         self.proofs: list[tuple[int, frozenset, Any, Any, frozenset]] = []
         self.arrays: dict[Any, _ArrayInfo] = {}
         self.snapshots: dict[Any, np.ndarray] = {}
@@ -605,9 +606,11 @@ class _Recorder:
                     if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
         with self.suspended():
             owned, read = _owned.prove(kernel, args, dims, in_place, self._constant_so_far) if in_place \
-                else (frozenset(), [])
+                else ({}, [])
             found = None
-            if _access.codegen_facts(kernel).adjoint_problems:  # (loops: bounded where the constants fix them)
+            # Loops bounded where the constants fix them: for the adjoint's sake, or for the in-place proof's (it
+            # follows static loops only)
+            if _access.codegen_facts(kernel).adjoint_problems or set(owned) != set(in_place):
                 found = _bounded.bounded(kernel, args, dims, self._constant_so_far,
                                          accept=lambda twin: self._all_owned(twin, args, dims))
         if found is not None:
@@ -628,15 +631,16 @@ class _Recorder:
         names = [p.label for p, a in zip(kernel.adj.args, args)
                  if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
         if not names:
-            return frozenset(), []
+            return {}, []
         owned, read = _owned.prove(kernel, args, dims, names, self._constant_so_far)
-        return (owned, read) if owned == frozenset(names) else None
+        return (owned, read) if set(owned) == set(names) else None
 
     def _proof_reordered(self, kernel, reordered, labels):
         """``reordered`` (``kernel`` with its pure outputs moved last), carrying this launch's proof if it has one."""
         if self.proofs and self.proofs[-1][0] == len(self.ops) and self.proofs[-1][3] is kernel:
             index, keys, launched, _, owned = self.proofs[-1]
-            _access.declare_elements_owned(reordered, owned)
+            _access.declare_elements_owned(reordered, frozenset(owned),
+                                           frozenset(n for n, how in owned.items() if how == "outputs"))
             self.proofs[-1] = (index, keys, with_parameters_reordered(launched, labels), reordered, owned)
         return reordered
 
@@ -654,7 +658,7 @@ class _Recorder:
         return {self.views.get(k, k) for k in _written_keys(op)}
 
     def settle_proofs(self) -> None:
-        """Launch-time proofs (``_with_elements_owned``) whose arrays a later operation wrote fall back to the
+        """Launch-time proofs (``_with_launch_proofs``) whose arrays a later operation wrote fall back to the
         kernel as launched (its refusal stands)."""
         for index, keys, launched, twin, _ in self.proofs:
             if index >= len(self.ops) or self.ops[index].kernel is not twin:

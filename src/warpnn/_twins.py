@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
 import threading
 import types
 from typing import Any
@@ -61,7 +62,10 @@ class _StaticExpressions(ast.NodeTransformer):
 def twin_module(kernel, kind: str, *, module_options: dict | None = None):
     """The module of ``kernel``'s twin of ``kind``: its own, named after both, with the kernel's module's options
     (and ``module_options`` over them)."""
-    module = wp.get_module(f"{kind}.{kernel.module.name}.{kernel.key}")
+    name = f"{kind}.{kernel.module.name}.{kernel.key}"
+    if len(name) > 120:  # (a twin of a twin of ...: Warp's cache directory is named after the module)
+        name = f"{kind}.{kernel.key[:40]}.{hashlib.sha1(name.encode()).hexdigest()[:16]}"
+    module = wp.get_module(name)
     module.options.update({k: v for k, v in kernel.module.options.items() if k in module.options})
     module.options.update(module_options or {})
     return module
