@@ -197,8 +197,10 @@ class MujocoStep:
         installed package untouched. The stage is the mujoco_warp module (``smooth``, ``forward``, ``passive``,
         ``constraint``, ``solver``, ``collision_*``, ...).
         """
-        kernels = {op.kernel.key: op.kernel for op in self.program.launches()}
-        return {key: f"{getattr(kernels[key].func, '__module__', '?').rsplit('.', 1)[-1]}: {why}"
+        modules = {}
+        for op in self.program.launches():  # (a twin's key starts with its kernel's, as the refusals name it)
+            modules.setdefault(op.kernel.key, getattr(op.kernel.func, "__module__", "?").rsplit(".", 1)[-1])
+        return {key: f"{next(m for k, m in modules.items() if k.startswith(key))}: {why}"
                 for key, why in self.program.reverse_refusals().items()}
 
     def initial_state(self) -> dict[str, jax.Array]:

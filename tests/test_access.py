@@ -697,3 +697,32 @@ def test_integer_flags_read_after_writing_refuse_reverse_mode_only_where_they_st
     g = warpnn.jax_kernel(flags_steer_the_result, num_outputs=2, in_out_argnames=["flags"])
     with pytest.raises(TypeError, match="array 'flags': line .* reads it after the kernel wrote it"):
         jax.grad(lambda x: g(x, flags)[1].sum())(x)
+
+
+@wp.kernel
+def doubled_in_arrival_order(count: wp.array(dtype=int), x: wp.array(dtype=float), out: wp.array(dtype=float)):
+    # each thread takes the next free slot (mujoco_warp allocates contacts and sparse rows so)
+    i = wp.tid()
+    slot = wp.atomic_add(count, 0, 1)
+    out[slot] = 2.0 * x[i]
+
+
+def test_a_value_an_atomic_returned_refuses_reverse_mode():
+    """Warp's adjoint kernel does not run atomics again (``skip_replay``), so the slot is not there when the store
+    is replayed: wp.Tape's gradient is wrong (the evidence below), and warpnn refuses instead, naming the atomic."""
+    x_np = np.arange(1.0, 5.0, dtype=np.float32)
+    weights = np.array([1.0, 10.0, 100.0, 1000.0], np.float32)
+    count, x, out = wp.zeros(1, dtype=int), wp.array(x_np, requires_grad=True), wp.zeros(4, dtype=float, requires_grad=True)
+    tape = wp.Tape()
+    with tape:
+        wp.launch(doubled_in_arrival_order, 4, [count, x, out])
+    tape.backward(grads={out: wp.array(weights)})
+    slots = np.argsort(out.numpy())  # (the thread that wrote each slot: out[slot] = 2 x[thread])
+    right = np.empty(4, np.float32)
+    right[slots] = 2.0 * weights
+    assert not np.allclose(x.grad.numpy(), right)  # Warp's own tape is wrong here
+    call = warpnn.jax_kernel(doubled_in_arrival_order, num_outputs=2, in_out_argnames=["count"])
+    count_after, doubled = call(jnp.zeros(1, jnp.int32), jnp.asarray(x_np), launch_dims=4)
+    assert_close(jnp.sort(doubled), 2.0 * x_np)  # the forward pass is right and stays available
+    with pytest.raises(TypeError, match="uses the value wp.atomic_add returns"):
+        jax.grad(lambda x: (call(jnp.zeros(1, jnp.int32), x, launch_dims=4)[1] * weights).sum())(jnp.asarray(x_np))

@@ -735,7 +735,8 @@ class _AdjointWatch:
             if not adj.custom_reverse_mode:
                 try:
                     values = list((bound if isinstance(bound, dict) else bound.arguments).values())
-                    problem = _adjointless_call_problem(adj, resolved, values, output)
+                    problem = _adjointless_call_problem(adj, resolved, values, output) \
+                        or _replayless_value_problem(adj, resolved, return_value_used)
                 except Exception as e:  # noqa: BLE001 - a call warpnn cannot judge is refused, never passed
                     problem = (f"warpnn could not judge the call of '{getattr(resolved, 'key', resolved)}' in "
                                f"'{adj.fun_name}' ({type(e).__name__}: {e})")
@@ -810,6 +811,19 @@ def _adjointless_call_problem(adj, func, args: list, output) -> str | None:
             else f"wp.{func.key} with '{getattr(callable_without_adjoint, 'key', '?')}'")
     return (f"{function} calls {what}{where} on differentiable values, and Warp has no adjoint "
             "for it: the gradient through it would be zero")
+
+
+def _replayless_value_problem(adj, func, return_value_used: bool) -> str | None:
+    """Why using what a call returns makes Warp's adjoint silently wrong, or None: Warp's adjoint kernel runs the
+    forward code again but not the atomics (``skip_replay``: their call is commented out there), so the value an
+    atomic returned is not there when the statements after it are replayed (measured: ``slot =
+    wp.atomic_add(count, 0, 1); out[slot] = 2.0 * x[i]`` gives d/dx = [2, 0, 0, 0] from wp.Tape, not 2 at each
+    thread's own slot). mujoco_warp allocates contacts and sparse rows so."""
+    if not (func.is_builtin() and func.skip_replay and return_value_used and func.key.startswith(
+            ("atomic_", "tile_atomic_"))):
+        return None
+    return (f"{_in_function(adj)[1]} uses the value wp.{func.key} returns{_at_statement(adj)}: Warp's adjoint does "
+            "not run the atomic again, so what follows it replays with another value")
 
 
 def _grad_call_problem(adj, func) -> str:

@@ -127,7 +127,7 @@ class _Clean:
                         self.dirty.add(name)
                         changed = True
 
-    def _binding(self, node) -> list[tuple[str, bool]]:
+    def _binding(self, node: Any) -> list[tuple[str, bool]]:
         """The names ``node`` binds and whether that binding is clean."""
         if isinstance(node, ast.For):
             names = _names_in(node.target)
@@ -150,7 +150,7 @@ class _Clean:
                     idx = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
                     out.append((target.value.id, control and all(self.expr(i) for i in idx)))
                 elif isinstance(target, (ast.Subscript, ast.Attribute)):  # an array element or a field: binds
-                    root = target  # no local name, unless the field is a local struct's
+                    root: Any = target  # no local name, unless the field is a local struct's
                     while isinstance(root, (ast.Subscript, ast.Attribute)):
                         root = root.value
                     if isinstance(root, ast.Name) and root.id not in self.arrays and root.id not in self.params:
@@ -159,12 +159,12 @@ class _Clean:
                     out += [(n, False) for n in _names_in(target)]
         return out
 
-    def range_clean(self, loop: ast.For) -> bool:
+    def range_clean(self, loop: Any) -> bool:
         call = loop.iter
         return (isinstance(call, ast.Call) and _call_name(call) == "range" and not call.keywords
                 and 1 <= len(call.args) <= 3 and all(self.expr(a) for a in call.args))
 
-    def control_clean(self, node: ast.AST) -> bool:
+    def control_clean(self, node: Any) -> bool:
         """Whether whether ``node`` runs (and how often) is fixed by the constants: its enclosing tests and loop
         ranges are clean, and no early exit that may come before it depends on anything else."""
         child, parent = node, self.parents.get(node)
@@ -184,11 +184,11 @@ class _Clean:
         return not any(isinstance(n, ast.Return) and n.lineno < node.lineno and not self._exit_clean(n)
                        for n in ast.walk(self.fn))
 
-    def _dirty_exits(self, loop, kind, before: ast.AST | None = None) -> bool:
+    def _dirty_exits(self, loop: Any, kind, before: Any = None) -> bool:
         return any(not self._exit_clean(e) and (before is None or e.lineno < before.lineno)
                    for e in _exits_of(loop, kind))
 
-    def _exit_clean(self, exit_node: ast.stmt) -> bool:
+    def _exit_clean(self, exit_node: Any) -> bool:
         child, parent = exit_node, self.parents.get(exit_node)
         while parent is not None and parent is not self.fn:
             if isinstance(parent, (ast.If, ast.While)) and child is not parent.test and not self.expr(parent.test):
@@ -198,10 +198,10 @@ class _Clean:
             child, parent = parent, self.parents.get(parent)
         return True
 
-    def while_clean(self, loop: ast.While) -> bool:
+    def while_clean(self, loop: Any) -> bool:
         return self.expr(loop.test) and not self._dirty_exits(loop, ast.Break)
 
-    def expr(self, e: ast.AST) -> bool:
+    def expr(self, e: Any) -> bool:
         if isinstance(e, ast.Constant):
             return isinstance(e.value, (int, float, bool))
         if isinstance(e, ast.Name):
@@ -236,6 +236,8 @@ class _Clean:
                 return True
             if isinstance(base, ast.Name) and base.id in self.locals and base.id not in self.params:
                 return self.expr(base) and all(self.expr(i) for i in indices)  # a component of a clean vector
+            if isinstance(base, ast.Subscript):  # a component of a loaded vector (actuator_trnid[i][0])
+                return self.expr(base) and all(self.expr(i) for i in indices)
         return False
 
 
@@ -250,7 +252,7 @@ def _names_in(node: ast.AST) -> list[str]:
     return [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
 
 
-def _exits_of(loop: ast.AST, kind) -> list[ast.stmt]:
+def _exits_of(loop: Any, kind) -> list[Any]:
     """``loop``'s own ``break`` or ``continue`` statements (not those of loops inside it)."""
     found, todo = [], list(loop.body)
     while todo:
@@ -289,7 +291,7 @@ class _Plan:
         return self.kernel.loops + sum(f.loops for f in self.functions)
 
 
-def _loops_of(fn: ast.AST) -> list[ast.AST]:
+def _loops_of(fn: ast.AST) -> list[Any]:
     return [n for n in ast.walk(fn) if isinstance(n, ast.While) or (isinstance(n, ast.For) and not _literal_range(n))]
 
 
@@ -319,7 +321,7 @@ def _looped_calls(fn: ast.AST, names: dict, functions: list) -> list[tuple[ast.C
     return found
 
 
-def _check_loops(clean: _Clean, fn: ast.FunctionDef, where: str) -> None:
+def _check_loops(clean: _Clean, fn: Any, where: str) -> None:
     for loop in _loops_of(fn):
         if not clean.control_clean(loop):
             raise _NotBounded(f"{where} line {loop.lineno}: whether a thread reaches the loop depends on more than the constants")
@@ -368,7 +370,7 @@ def _collect_functions(fn: ast.FunctionDef, clean: _Clean, constant_sources: dic
                        functions: list[_Body]) -> None:
     """Append to ``functions`` (callees first) the bodies of the functions ``fn`` calls that need a twin.
     ``constant_sources``: for each constant array of ``fn``, the kernel's arrays it may be."""
-    sites: dict[Any, list[ast.Call]] = {}
+    sites: dict[Any, list[Any]] = {}
     for node in ast.walk(fn):
         f = _user_function(node.func, clean.globals) if isinstance(node, ast.Call) else None
         if f is not None and _needs_twin(f):
@@ -417,7 +419,7 @@ def _plan(kernel, constants: frozenset[str]) -> _Plan | None:
     return plan
 
 
-def _literal_range(loop: ast.For) -> bool:
+def _literal_range(loop: Any) -> bool:
     """A loop Warp unrolls itself (a ``range`` of literals) or one over something other than a range."""
     call = loop.iter
     if not (isinstance(call, ast.Call) and _call_name(call) == "range"):
@@ -426,7 +428,7 @@ def _literal_range(loop: ast.For) -> bool:
                for a in call.args)
 
 
-def _step(loop: ast.For) -> int | None:
+def _step(loop: Any) -> Any:
     args = loop.iter.args
     if len(args) < 3:
         return 1
@@ -455,7 +457,7 @@ def _ancestors(node, parents):
         node = parents.get(node)
 
 
-def _range_parts(loop: ast.For) -> tuple[ast.expr, ast.expr]:
+def _range_parts(loop: Any) -> tuple[Any, Any]:
     args = loop.iter.args
     return (ast.Constant(0), args[0]) if len(args) == 1 else (args[0], args[1])
 
@@ -477,9 +479,10 @@ def _measure(plan: _Plan, kernel, args: list, dims: tuple[int, ...]) -> list[int
 _TRIPS = f"{_PREFIX}trips"
 
 
-def _count_loops(fn: ast.FunctionDef, first: int) -> None:
+def _count_loops(fn: Any, first: int) -> None:
     """Instrument ``fn``'s loops (ids from ``first``): each records its trip count into ``wnbound_trips``."""
     wp_ = _twins.WP_NAME
+    loop: Any
     for j, loop in enumerate(_loops_of(fn), start=first):
         if isinstance(loop, ast.For):
             start, stop = _range_parts(loop)
@@ -488,7 +491,8 @@ def _count_loops(fn: ast.FunctionDef, first: int) -> None:
             span = f"{b} - {a} + {step - 1}" if step > 0 else f"{a} - {b} + {-step - 1}"
             before = ast.parse(f"{a} = int({ast.unparse(start)})\n{b} = int({ast.unparse(stop)})\n"
                                f"{wp_}.atomic_max({_TRIPS}, {j}, max(0, ({span}) // {abs(step)}))").body
-            loop.iter.args = [ast.Name(a, ast.Load()), ast.Name(b, ast.Load()), *loop.iter.args[2:]]
+            call: Any = loop.iter
+            call.args = [ast.Name(a, ast.Load()), ast.Name(b, ast.Load()), *call.args[2:]]
         else:
             c = f"{_PREFIX}c{j}"
             before = ast.parse(f"{c} = int(0)").body
@@ -524,9 +528,9 @@ def _function_twin(body: _Body, fn: ast.FunctionDef, kind: str, extra: dict, nam
 
 @functools.lru_cache(maxsize=256)
 def _counting_twin(plan: _Plan):
-    trips = {_TRIPS: wp.array(dtype=wp.int32)}
+    trips: dict[str, Any] = {_TRIPS: wp.array(dtype=wp.int32)}
     first = plan.kernel.loops
-    twins = []
+    twins: list[Any] = []
     for body in plan.functions:
         fn = _twins.copy_tree(body.fn, body.owner)
         _count_loops(fn, first)
@@ -550,7 +554,7 @@ def _unrolled_twin(plan: _Plan, bounds: tuple[int, ...], limit: int):
     kernel = plan.kernel.owner
     try:
         first = plan.kernel.loops
-        twins = []
+        twins: list[Any] = []
         for body in plan.functions:
             fn = _twins.copy_tree(body.fn, body.owner)
             _unroll_loops(fn, bounds[first:first + body.loops])
@@ -581,7 +585,12 @@ def _contains(outer: ast.AST, inner: ast.AST) -> bool:
     return any(n is inner for n in ast.walk(outer))
 
 
-def _splice(fn: ast.FunctionDef, target: ast.stmt, statements: list[ast.stmt], keep: bool) -> None:
+def _one(source: str) -> Any:
+    """The one statement ``source`` parses to."""
+    return ast.parse(source).body[0]
+
+
+def _splice(fn: ast.FunctionDef, target: Any, statements: list[Any], keep: bool) -> None:
     """Put ``statements`` before ``target`` (``keep``) or in its place, in the block that holds it."""
     for node in ast.walk(fn):
         for field in ("body", "orelse"):
@@ -593,7 +602,7 @@ def _splice(fn: ast.FunctionDef, target: ast.stmt, statements: list[ast.stmt], k
     raise _NotBounded("a loop outside any block")
 
 
-def _bounded_loop(loop: ast.AST, j: int, bound: int) -> list[ast.stmt]:
+def _bounded_loop(loop: Any, j: int, bound: int) -> list[Any]:
     """``loop`` as ``bound`` guarded iterations of straight-line code (see the module's docstring)."""
     go, run, k = f"{_PREFIX}go{j}", f"{_PREFIX}run{j}", f"{_PREFIX}k{j}"
     breaks, continues = _exits_of(loop, ast.Break), _exits_of(loop, ast.Continue)
@@ -603,27 +612,28 @@ def _bounded_loop(loop: ast.AST, j: int, bound: int) -> list[ast.stmt]:
     if isinstance(loop, ast.For):
         start, stop = _range_parts(loop)
         step = _step(loop)
-        a, b, v = f"{_PREFIX}a{j}", f"{_PREFIX}b{j}", loop.target.id
+        target: Any = loop.target
+        a, b, v = f"{_PREFIX}a{j}", f"{_PREFIX}b{j}", target.id
         head = ast.parse(f"{a} = int({ast.unparse(start)})\n{b} = int({ast.unparse(stop)})").body
-        inside = ast.parse(f"if {v} {'<' if step > 0 else '>'} {b}:\n    pass").body[0]
+        inside = _one(f"if {v} {'<' if step > 0 else '>'} {b}:\n    pass")
         inside.body = body
         iteration = [*ast.parse(f"{v} = {a} + {k} * {step}").body, inside]
     else:
         head = []
-        inside = ast.parse(f"if {ast.unparse(loop.test)}:\n    pass\nelse:\n    {run} = False").body[0]
+        inside = _one(f"if {ast.unparse(loop.test)}:\n    pass\nelse:\n    {run} = False")
         inside.body = body
         iteration = [inside]
     if breaks or isinstance(loop, ast.While):
         head += ast.parse(f"{run} = True").body
-        guard = ast.parse(f"if {run}:\n    pass").body[0]
+        guard = _one(f"if {run}:\n    pass")
         guard.body = iteration
         iteration = [guard]
-    unrolled = ast.parse(f"for {k} in range({bound}):\n    pass").body[0]
+    unrolled = _one(f"for {k} in range({bound}):\n    pass")
     unrolled.body = iteration
     return [*head, unrolled]
 
 
-def _guarded(stmts: list[ast.stmt], go: str, run: str) -> list[ast.stmt]:
+def _guarded(stmts: list[Any], go: str, run: str) -> list[Any]:
     """``stmts`` with this loop's ``continue`` / ``break`` as flags, and what follows one under ``if go``."""
     out: list[ast.stmt] = []
     for i, s in enumerate(stmts):
@@ -631,7 +641,7 @@ def _guarded(stmts: list[ast.stmt], go: str, run: str) -> list[ast.stmt]:
         out += _without_exits(s, go, run)
         rest = stmts[i + 1:]
         if rest and leaves:
-            guard = ast.parse(f"if {go}:\n    pass").body[0]
+            guard = _one(f"if {go}:\n    pass")
             guard.body = _guarded(rest, go, run)
             out.append(guard)
             break
@@ -643,7 +653,7 @@ def _exits_of_block(stmts, kind) -> list[ast.stmt]:
     return _exits_of(holder, kind)
 
 
-def _without_exits(s: ast.stmt, go: str, run: str) -> list[ast.stmt]:
+def _without_exits(s: Any, go: str, run: str) -> list[Any]:
     if isinstance(s, ast.Continue):
         return ast.parse(f"{go} = False").body
     if isinstance(s, ast.Break):

@@ -230,7 +230,7 @@ class _ProbeBuilder:
             n.id not in self.clean.dirty and n.id not in self.params for n in names if isinstance(n, ast.Name)) \
             and not self._mentions(stmt.value) and self._is_known(stmt.value, not self.after_return)
 
-    def _statement(self, stmt: ast.stmt, where: _Where) -> list[str]:
+    def _statement(self, stmt: Any, where: _Where) -> list[str]:
         """The probe's lines for one statement of the kernel."""
         if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) \
                 and isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr == "tid":
@@ -248,14 +248,14 @@ class _ProbeBuilder:
                 and stmt.value.value.id == self.name:
             indices = stmt.value.slice.elts if isinstance(stmt.value.slice, ast.Tuple) else [stmt.value.slice]
             if len(indices) < (self.ndim or 0):  # a row view of the array
-                target = stmt.targets[0].id
-                if target in self.views or any(isinstance(n, ast.Name) and n.id == target and isinstance(n.ctx, ast.Store)
-                                               and n is not stmt.targets[0] for n in ast.walk(self.fn)):
+                view: str = stmt.targets[0].id
+                if view in self.views or any(isinstance(n, ast.Name) and n.id == view and isinstance(n.ctx, ast.Store)
+                                             and n is not stmt.targets[0] for n in ast.walk(self.fn)):
                     raise _NoProof(f"line {stmt.lineno}: a view bound twice")
                 if where.iterations != 1 or not all(self._is_known(i, where.loads) for i in indices):
                     raise _NoProof(f"line {stmt.lineno}: a view at an index the probe cannot compute")
-                self.views[target] = [f"{_PREFIX}v{next(self.counter)}" for _ in indices]
-                return [f"{v} = {ast.unparse(i)}" for v, i in zip(self.views[target], indices)]
+                self.views[view] = [f"{_PREFIX}v{next(self.counter)}" for _ in indices]
+                return [f"{v} = {ast.unparse(i)}" for v, i in zip(self.views[view], indices)]
         if self._binds_clean(stmt):
             return [ast.unparse(stmt)]
         if isinstance(stmt, ast.If):
@@ -271,14 +271,15 @@ class _ProbeBuilder:
             return [*tested, *arms[0], *arms[1]]  # (both sides: a superset, in program order)
         if isinstance(stmt, ast.For) and _static_range(stmt) is not None and isinstance(stmt.target, ast.Name) \
                 and not any(isinstance(n, (ast.Break, ast.Continue, ast.Return)) for n in ast.walk(stmt)):
-            count = _static_range(stmt)
-            k = stmt.target.id
-            first = 0 if len(stmt.iter.args) == 1 else ast.literal_eval(stmt.iter.args[0])
-            index = f"({k} - {first})" if first else k
+            count: int = _static_range(stmt) or 0
+            var: str = stmt.target.id
+            call: Any = stmt.iter
+            first = 0 if len(call.args) == 1 else ast.literal_eval(call.args[0])
+            index = f"({var} - {first})" if first else var
             inner = dataclasses.replace(where, iteration=f"({where.iteration}) * {count} + {index}",
                                         iterations=where.iterations * count)
             body = self._block(stmt.body, inner)
-            return [f"for {k} in {ast.unparse(stmt.iter)}:", *(f"    {a}" for a in body or ["pass"])]
+            return [f"for {var} in {ast.unparse(stmt.iter)}:", *(f"    {a}" for a in body or ["pass"])]
         if isinstance(stmt, (ast.For, ast.While)):
             if self._mentions(stmt):
                 raise _NoProof(f"line {stmt.lineno}: the array accessed in a dynamic loop")
@@ -320,7 +321,7 @@ class _ProbeBuilder:
         return _Probe(kernel, tuple(self.columns), frozenset(self.clean.loads))
 
 
-def _static_range(loop: ast.For) -> int | None:
+def _static_range(loop: Any) -> int | None:
     """The number of iterations of ``for k in range(<literal>)`` / ``range(<literal>, <literal>)``, else None."""
     call = loop.iter
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "range") \

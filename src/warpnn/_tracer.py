@@ -158,6 +158,11 @@ class _Set:
     src: Any  # another array's key (clone, assign of an array)
 
 
+def _launched_key(kernel) -> str:
+    """The key of the kernel the traced function launched, for a twin a launch-time proof made of it."""
+    return kernel.key.split("__wnbounded_")[0].split("__owned_")[0]
+
+
 class WarpProgram:
     """A recorded Warp function as a pure JAX function ``program(inputs) -> outputs``. Create with :func:`trace`.
 
@@ -288,7 +293,7 @@ class WarpProgram:
         launches is refused."""
         refused: dict[str, str] = {}
         for op in self._ops:
-            if not isinstance(op, _Launch) or op.kernel.key in refused:
+            if not isinstance(op, _Launch) or _launched_key(op.kernel) in refused:
                 continue
             sig = signature_of(op.kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
             names = [spec.name for spec in sig.inputs]
@@ -296,7 +301,7 @@ class WarpProgram:
             shapes = {n: self._arrays[v].shape for n, (kind, v) in zip(names, op.inputs) if kind == "array"}
             _, reasons = adjoint_signature(sig, scalars, {**shapes, **dict(op.output_dims)})
             if reasons:
-                refused[op.kernel.key] = "; ".join(reasons)
+                refused.setdefault(_launched_key(op.kernel), "; ".join(reasons))
         return refused
 
     def launches(self) -> tuple[LaunchRecord, ...]:
@@ -440,6 +445,7 @@ class _Recorder:
         self.views: dict[Any, Any] = {}
         self.platform: str | None = None  # "cpu" or "gpu": where launches with thread blocks ran (WarpProgram._check_platform)
         self.input_keys = {}
+        self.inputs_given = list(input_arrays.values())
         for name, arr in input_arrays.items():
             if not isinstance(arr, wp.array):
                 raise TypeError(
@@ -645,7 +651,10 @@ class _Recorder:
         return reordered
 
     def _constant_so_far(self, arr: wp.array) -> bool:
-        """Whether ``arr`` is neither an input nor written by an operation recorded so far."""
+        """Whether ``arr`` is neither an input nor written by an operation recorded so far (an array with no
+        elements, which Warp passes without memory, has no values to change)."""
+        if type(arr) is wp.array and arr.size == 0:
+            return not any(a is arr for a in self.inputs_given)
         if type(arr) is not wp.array or not arr.is_contiguous or not arr.ptr:
             return False
         key = self.register(arr, "index array")
