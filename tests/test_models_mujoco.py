@@ -273,7 +273,7 @@ def test_arm_gradient_matches_finite_differences_or_is_refused(arm, wrt, steps):
     """jax.grad through 1 and 10 steps w.r.t. ctrl and the initial qvel: either it matches central differences of
     mj_step (float64, 1e-3 relative) or it is refused with a TypeError naming a kernel of the step that
     step.reverse_refusals() lists and the reason, never zeros. Today the first kernel met backwards is refused
-    (15 of the arm step's 53 kernels: the tree walks read values other threads of the same launch write, some
+    (8 of the arm step's 53 kernels: the tree walks read values other threads of the same launch write, some
     loops' and builtins' adjoints are wrong or missing in Warp), so the test ends as an expected failure that says so."""
     step, mjm, mjd = arm
     s0 = step.initial_state()
@@ -305,7 +305,7 @@ def test_arm_gradient_matches_finite_differences_or_is_refused(arm, wrt, steps):
 def test_reverse_refusals_name_a_reason_and_kernels_without_adjoint_are_rebuilt(arm):
     """reverse_refusals() gives each refused kernel its mujoco_warp stage and a reason from the facts (access
     patterns, loops); a kernel compiled without an adjoint is not refused for that alone: warpnn builds its
-    adjoint in a module of its own (measured on the arm: 15 of 53 kernels refused; the differential test compares
+    adjoint in a module of its own (measured on the arm: 8 of 53 kernels refused; the differential test compares
     the others' gradients with wp.Tape over the rebuilt kernels and with central differences)."""
     step, _, _ = arm
     refusals = step.reverse_refusals()

@@ -572,3 +572,30 @@ def test_a_program_with_thread_blocks_replays_only_on_the_platform_it_was_traced
     program._platform = "cpu" if jax.default_backend() == "gpu" else "gpu"
     with pytest.raises(TypeError, match="replays only where it was traced"):
         program({"x": jnp.ones((2, 8))})
+
+
+@wp.kernel
+def take_slots(count: wp.array(dtype=int), x: wp.array(dtype=float), out: wp.array(dtype=float)):
+    # each thread takes the next free slot (mujoco_warp allocates actuator rows and contacts so)
+    i = wp.tid()
+    slot = wp.atomic_add(count, 0, 1)
+    out[slot] = 2.0 * x[i] * x[i]
+
+
+def test_slots_taken_with_an_atomic_are_recorded_for_the_adjoint():
+    """Warp's adjoint does not run the atomic again (wp.Tape's gradient is wrong here, tests/test_access.py); the
+    traced launch records each thread's slot and its adjoint replays on the record (warpnn._recorded)."""
+    x_np = np.array([0.5, -1.0, 1.5, 2.0], np.float32)
+    count, x, out = wp.zeros(1, dtype=int), wp.array(x_np), wp.zeros(4, dtype=float)
+    program = warpnn.trace(lambda: wp.launch(take_slots, 4, [count, x, out]), {"x": x}, {"out": out})
+    assert program.reverse_refusals() == {}
+    weights = jnp.asarray([1.0, 10.0, 100.0, 1000.0])
+    got = program({"x": jnp.asarray(x_np)})["out"]
+    thread_of = [int(np.argmin(np.abs(2.0 * x_np * x_np - v))) for v in np.asarray(got)]  # (values are distinct)
+    assert sorted(thread_of) == [0, 1, 2, 3]
+
+    def reference(x):
+        return (weights * 2.0 * x[jnp.asarray(thread_of)] ** 2).sum()
+
+    grad = jax.jit(jax.grad(lambda x: (weights * program({"x": x})["out"]).sum()))(jnp.asarray(x_np))
+    assert_close(grad, jax.grad(reference)(jnp.asarray(x_np)), rtol=1e-5)

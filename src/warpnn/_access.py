@@ -822,6 +822,12 @@ def _replayless_value_problem(adj, func, return_value_used: bool) -> str | None:
     if not (func.is_builtin() and func.skip_replay and return_value_used and func.key.startswith(
             ("atomic_", "tile_atomic_"))):
         return None
+    from ._recorded import stores_only_into_the_record
+
+    lines, line = getattr(adj, "source_lines", None), getattr(adj, "lineno", None)
+    if "__warpnn_recorded" in str(getattr(adj, "fun_name", "")) and isinstance(line, int) and lines \
+            and 0 <= line < len(lines) and stores_only_into_the_record(lines[line]):
+        return None  # (a twin that records the value for its adjoint: _recorded.py)
     return (f"{_in_function(adj)[1]} uses the value wp.{func.key} returns{_at_statement(adj)}: Warp's adjoint does "
             "not run the atomic again, so what follows it replays with another value")
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
-from . import _access, _bounded, _owned, _value_args
+from . import _access, _bounded, _owned, _recorded, _value_args
 from ._batched import with_parameters_merged, with_parameters_reordered
 from ._bridge import jax_kernel
 from ._signature import fully_written, kernel_array_uses, signature_of
@@ -158,9 +158,12 @@ class _Set:
     src: Any  # another array's key (clone, assign of an array)
 
 
+_ATOMIC_VALUE = "uses the value wp.atomic"  # (_access._replayless_value_problem's words)
+
+
 def _launched_key(kernel) -> str:
     """The key of the kernel the traced function launched, for a twin a launch-time proof made of it."""
-    return kernel.key.split("__wnbounded_")[0].split("__owned_")[0]
+    return kernel.key.split("__wnbounded_")[0].split("__owned_")[0].split("__wnrecorded")[0]
 
 
 class WarpProgram:
@@ -543,6 +546,8 @@ class _Recorder:
             args = _value_args.expand(kernel, args)
             kernel = _value_args.with_components(kernel)
             params = kernel.adj.args
+        if _ATOMIC_VALUE in " ".join(_access.codegen_facts(kernel).adjoint_problems):
+            kernel, args = self._with_recorded_atomics(kernel, args, dims)
         uses = kernel_array_uses(kernel)
         if not block_dim:
             kernel, uses = self._with_launch_proofs(kernel, args, dims, uses)
@@ -602,6 +607,16 @@ class _Recorder:
             results.append((key, p.label))
         self.ops.append(_Launch(kernel, dims, block_dim or None, len(results), tuple(in_out),
                                 tuple(call_inputs), tuple(results), tuple(output_dims)))
+
+    def _with_recorded_atomics(self, kernel, args, dims):
+        """``kernel`` and ``args`` or, where the kernel uses values its atomics return (which Warp's adjoint does not
+        have), its twin that records them for the adjoint (``_recorded.py``) and the arguments with the record."""
+        found = _recorded.with_recorded_atomics(kernel)
+        if found is None or _ATOMIC_VALUE in " ".join(_access.codegen_facts(found[0]).adjoint_problems):
+            return kernel, args
+        twin, sites = found
+        device = next((a.device for a in args if isinstance(a, wp.array)), None)
+        return twin, [*args, wp.zeros((*dims, sites), dtype=wp.int32, device=device)]
 
     def _with_launch_proofs(self, kernel, args, dims, uses):
         """``kernel`` and its uses or, where proofs from the program's constants make its adjoint right, the twin
