@@ -77,6 +77,8 @@ def bounded(kernel, args: list, dims: tuple[int, ...], constant: Callable[[Any],
         bounds = _measure(plan, kernel, args, dims)
     except _NotBounded:
         return None
+    except Exception:  # noqa: BLE001 - a counting twin Warp cannot build or run: no proof, the refusal stands
+        return None
     if max(bounds, default=0) > limit:
         return None  # (Warp would emit the loop dynamic again)
     twin = _unrolled_twin(plan, tuple(bounds), limit)
@@ -336,6 +338,8 @@ def _check_loops(clean: _Clean, fn: Any, where: str) -> None:
             raise _NotBounded(f"{where} line {loop.lineno}: a while test the constants do not fix")
         if any(isinstance(n, ast.Return) for n in ast.walk(loop)):
             raise _NotBounded(f"{where} line {loop.lineno}: a return inside the loop")
+        if loop.orelse:
+            raise _NotBounded(f"{where} line {loop.lineno}: a loop with an else clause")
 
 
 @functools.lru_cache(maxsize=256)

@@ -43,11 +43,14 @@ def stores_only_into_the_record(source_line: str) -> bool:
     return bool(_VALUE.match(source_line))
 
 
-def with_recorded_atomics(kernel) -> tuple[Any, int] | None:
+def with_recorded_atomics(kernel, launch_ndim: int) -> tuple[Any, int] | None:
     """``(twin, sites)``: ``kernel`` with the values its atomics return recorded into a last parameter
-    ``wnrec_slots`` (shape: the launch's dimensions, then ``sites``), or None where it has no such atomic or one
-    this cannot record."""
-    return _twin(kernel)
+    ``wnrec_slots`` (shape: the launch's ``launch_ndim`` dimensions, then ``sites``), or None where it has no such
+    atomic or one this cannot record."""
+    found = _twin(kernel)
+    if found is None or found[0].adj.arg_types[RECORD].ndim != launch_ndim + 1:
+        return None  # (wp.tid() unpacked into fewer names than the launch has dimensions)
+    return found
 
 
 @functools.lru_cache(maxsize=256)

@@ -611,7 +611,7 @@ class _Recorder:
     def _with_recorded_atomics(self, kernel, args, dims):
         """``kernel`` and ``args`` or, where the kernel uses values its atomics return (which Warp's adjoint does not
         have), its twin that records them for the adjoint (``_recorded.py``) and the arguments with the record."""
-        found = _recorded.with_recorded_atomics(kernel)
+        found = _recorded.with_recorded_atomics(kernel, len(dims))
         if found is None or _ATOMIC_VALUE in " ".join(_access.codegen_facts(found[0]).adjoint_problems):
             return kernel, args
         twin, sites = found
