@@ -315,7 +315,8 @@ def test_reverse_refusals_name_a_reason_and_kernels_without_adjoint_are_rebuilt(
     without_adjoint = [k for k, kernel in kernels.items()
                        if not kernel.options.get("enable_backward", kernel.module.options.get("enable_backward", True))]
     assert len(without_adjoint) >= 30
-    assert set(refusals) < set(kernels) and len(refusals) < len(without_adjoint)
+    # (a launch a proof changed runs a twin whose key starts with its kernel's; refusals name the kernel)
+    assert all(any(k.startswith(r) for k in kernels) for r in refusals) and len(refusals) < len(without_adjoint)
     assert "_next_velocity" not in refusals  # forward-only in mujoco_warp, differentiable here
     # the tree walk down the arm's one branch is proven at trace time (each body's parent placed by the same thread)
     assert "_kinematics_branch" not in refusals

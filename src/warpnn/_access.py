@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import io
 import itertools
+import re
 import threading
 import warnings
 from typing import Any
@@ -813,6 +814,15 @@ def _adjointless_call_problem(adj, func, args: list, output) -> str | None:
             "for it: the gradient through it would be zero")
 
 
+# The names _recorded.py's twins give an atomic's value, whose only use is a store into the twin's record.
+RECORDED_VALUE = re.compile(r"\s*wnrec_v\d+\s*=")
+
+
+def stores_only_into_the_record(source_line: str) -> bool:
+    """Whether a statement of generated source assigns an atomic's value to one of a recording twin's names."""
+    return bool(RECORDED_VALUE.match(source_line))
+
+
 def _replayless_value_problem(adj, func, return_value_used: bool) -> str | None:
     """Why using what a call returns makes Warp's adjoint silently wrong, or None: Warp's adjoint kernel runs the
     forward code again but not the atomics (``skip_replay``: their call is commented out there), so the value an
@@ -822,8 +832,6 @@ def _replayless_value_problem(adj, func, return_value_used: bool) -> str | None:
     if not (func.is_builtin() and func.skip_replay and return_value_used and func.key.startswith(
             ("atomic_", "tile_atomic_"))):
         return None
-    from ._recorded import stores_only_into_the_record
-
     lines, line = getattr(adj, "source_lines", None), getattr(adj, "lineno", None)
     if "__warpnn_recorded" in str(getattr(adj, "fun_name", "")) and isinstance(line, int) and lines \
             and 0 <= line < len(lines) and stores_only_into_the_record(lines[line]):

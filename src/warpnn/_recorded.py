@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import re
 from typing import Any
 
 import warp as wp
@@ -32,15 +31,8 @@ from . import _warp_compat as wc
 
 RECORD = "wnrec_slots"
 _PREFIX = "wnrec_"
-_VALUE = re.compile(r"\s*wnrec_v\d+\s*=")
 _ATOMICS = {"atomic_add", "atomic_sub", "atomic_min", "atomic_max", "atomic_and", "atomic_or", "atomic_xor",
             "atomic_exch", "atomic_cas"}
-
-
-def stores_only_into_the_record(source_line: str) -> bool:
-    """Whether a statement of generated source assigns an atomic's value to one of this twin's record names (its
-    only use is the store into the record)."""
-    return bool(_VALUE.match(source_line))
 
 
 def with_recorded_atomics(kernel, launch_ndim: int) -> tuple[Any, int] | None:
@@ -117,4 +109,4 @@ def _atomic_value(statement: ast.stmt) -> ast.Call | None:
     return statement.value if name in _ATOMICS else None
 
 
-__all__ = ["RECORD", "stores_only_into_the_record", "with_recorded_atomics"]
+__all__ = ["RECORD", "with_recorded_atomics"]
