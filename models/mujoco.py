@@ -25,8 +25,10 @@ What is checked (``tests/test_models_mujoco.py``): forward under ``jit`` / ``lax
 ``mujoco_warp.step`` run directly (bit-equal on an arm and a cart-pole hitting a joint limit) and against
 ``mujoco.mj_step`` (<= 3.5e-6), and a free box landing on a plane (contacts and the constraint solver). Refused
 today, with the reason: reverse mode through the whole step (``reverse_refusals()`` lists the kernels and why: the
-tree walks read what other threads of the same launch write, some loops' adjoints are wrong in Warp); the other
-kernels differentiate, those mujoco_warp builds with ``enable_backward=False`` through a rebuilt adjoint.
+small Cholesky solve writes ``x_out`` twice and reads it in between, the constraint solver runs even without
+constraints and its loops, atomics and tile Cholesky have no right adjoint in Warp); the other kernels
+differentiate, those mujoco_warp builds with ``enable_backward=False`` through a rebuilt adjoint, tree walks, in-place
+updates and loops bounded by the model through proofs made when the step is traced.
 See ``docs/mujoco.md``.
 
 Example::

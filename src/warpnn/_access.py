@@ -615,6 +615,12 @@ def codegen_access(kernel) -> dict[str, tuple[bool, bool]] | None:
     return codegen_facts(kernel).access
 
 
+def share_codegen_facts(twin, kernel) -> None:
+    """Give ``twin`` (built by ``_twins.twin_of`` from ``kernel``'s own function and source, with its options)
+    ``kernel``'s facts, so that Warp's code generator does not run again for the same code."""
+    _CODEGEN_FACTS[id(twin)] = (twin, codegen_facts(kernel))
+
+
 def codegen_facts(kernel) -> CodegenFacts:
     """Warp's facts about ``kernel`` (``CodegenFacts``), from one build of its code, cached per kernel."""
     cached = _CODEGEN_FACTS.get(id(kernel))

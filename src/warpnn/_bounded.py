@@ -57,8 +57,7 @@ def bounded(kernel, args: list, dims: tuple[int, ...], constant: Callable[[Any],
     """``(twin, arrays read, accepted)`` for this launch of ``kernel`` (``args`` over ``dims``): the twin with its
     dynamic loops unrolled to their measured bounds, the constant arrays the bounds came from and what
     ``accept(twin)`` returned; None where a loop cannot be bounded so, Warp's adjoint of the twin would still be
-    wrong, or ``accept`` returns None (the kernel keeps its refusal). ``accept`` is asked first about a twin with
-    every bound 1 (what it decides must not depend on the bounds): nothing runs for a kernel that cannot pass."""
+    wrong, or ``accept`` returns None (the kernel keeps its refusal)."""
     fn = _batched.kernel_body(kernel, _PREFIX)
     if fn is None:
         return None
@@ -70,9 +69,6 @@ def bounded(kernel, args: list, dims: tuple[int, ...], constant: Callable[[Any],
     try:
         plan = _plan(kernel, constants)
         if plan is None:
-            return None
-        sketch = _unrolled_twin(plan, (1,) * plan.loops, limit)
-        if sketch is None or _access.codegen_facts(sketch).adjoint_problems or accept(sketch) is None:
             return None
         bounds = _measure(plan, kernel, args, dims)
     except _NotBounded:
@@ -110,6 +106,7 @@ class _Clean:
                                    and (clean_scalars is None or n in clean_scalars)}
         self.dirty: set[str] = set()
         self.loads: set[str] = set()
+        self._found: dict[tuple[int, Any], list[Any]] = {}
         self.tid: set[str] = set()
         for node in ast.walk(fn):
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _call_name(node.value) == "tid":
@@ -174,7 +171,7 @@ class _Clean:
             if isinstance(parent, (ast.If, ast.While)) and child is not parent.test and not self.expr(parent.test):
                 return False
             if isinstance(parent, (ast.For, ast.While)) and any(
-                    isinstance(n, ast.Return) and not self._exit_clean(n) for n in ast.walk(parent)):
+                    not self._exit_clean(n) for n in self._within(parent, ast.Return)):
                 return False  # (a return in an earlier iteration)
             if isinstance(parent, ast.While) and self._dirty_exits(parent, ast.Break):
                 return False
@@ -183,12 +180,20 @@ class _Clean:
                         or self._dirty_exits(parent, ast.Continue, before=node):
                     return False
             child, parent = parent, self.parents.get(parent)
-        return not any(isinstance(n, ast.Return) and n.lineno < node.lineno and not self._exit_clean(n)
-                       for n in ast.walk(self.fn))
+        return not any(n.lineno < node.lineno and not self._exit_clean(n) for n in self._within(self.fn, ast.Return))
+
+    def _within(self, node: Any, kind) -> list[Any]:
+        """The statements of ``kind`` inside ``node`` (a loop's own ``break`` / ``continue`` for those; cached)."""
+        key = (id(node), kind)
+        found = self._found.get(key)
+        if found is None:
+            found = self._found[key] = _exits_of(node, kind) if kind in (ast.Break, ast.Continue) else [
+                n for n in ast.walk(node) if isinstance(n, kind)]
+        return found
 
     def _dirty_exits(self, loop: Any, kind, before: Any = None) -> bool:
         return any(not self._exit_clean(e) and (before is None or e.lineno < before.lineno)
-                   for e in _exits_of(loop, kind))
+                   for e in self._within(loop, kind))
 
     def _exit_clean(self, exit_node: Any) -> bool:
         child, parent = exit_node, self.parents.get(exit_node)
@@ -356,6 +361,22 @@ def _plan_cached(kernel, constants: frozenset[str]) -> _Plan | str | None:
         return _Plan(_Body(kernel, fn, len(_loops_of(fn))), functions, frozenset(loads))
     except _NotBounded as e:
         return str(e)
+
+
+def has_dynamic_loops(kernel) -> bool:
+    """Whether ``kernel`` or a ``@wp.func`` it calls has a loop this module would bound (a look at the source
+    only, before asking Warp's code generator anything)."""
+    fn = _batched.kernel_body(kernel, _PREFIX)
+    if fn is None:
+        return False
+    if _loops_of(fn):
+        return True
+    names = _access._names_visible_to(kernel.func)
+    try:
+        return any(_needs_twin(g) for node in ast.walk(fn) if isinstance(node, ast.Call)
+                   and (g := _user_function(node.func, names)) is not None)
+    except _NotBounded:
+        return True
 
 
 def _needs_twin(f, seen=()) -> bool:
@@ -540,7 +561,7 @@ def _counting_twin(plan: _Plan):
         _count_loops(fn, first)
         first += body.loops
         names = _call_twins(body, fn, plan, twins, [_TRIPS])
-        twins.append(_function_twin(body, fn, f"wnbound_count_{id(plan):x}", trips, names))
+        twins.append(_function_twin(body, fn, "wnbound_count", trips, names))
     fn = _twins.copy_tree(plan.kernel.fn, plan.kernel.owner)
     _count_loops(fn, 0)
     names = _call_twins(plan.kernel, fn, plan, twins, [_TRIPS])
@@ -672,4 +693,4 @@ def _without_exits(s: Any, go: str, run: str) -> list[Any]:
     return [s]
 
 
-__all__ = ["bounded"]
+__all__ = ["bounded", "has_dynamic_loops"]

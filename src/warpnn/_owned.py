@@ -8,15 +8,22 @@ thread writes (``ArrayUse.in_place_problem``). warpnn's walk proves that where e
 Inside a traced program those index arrays are constants (the program reads them and nothing writes them; an
 input may change per call), so the elements each thread touches are the same in every replay and can be
 computed once, at trace time: a *probe*, a Warp kernel generated from the kernel's own statements that compute
-the indices (top-level assignments from the thread index, scalar arguments, shapes and loads of constant
-arrays) and its ``if`` structure where the conditions are of the same kind (a joint's type), records the element
-of every access of the array, per thread. Where a condition depends on anything else, the probe records both
-sides (a superset, still a proof); where that would make it evaluate a load the kernel may not make, or an index
-needs anything else (a value assigned twice or under a branch, a loop, a ``@wp.func`` or atomic taking the array),
-there is no proof and the refusal stands. The proof holds if no element a thread writes is touched by another
-thread, every index is in range, and on every path through the kernel each read of the array comes before its
-writes. The launch then runs a twin of the kernel (same source) whose facts say so (``_access.ArrayUse.elements_owned``),
-and the tracer checks at the end of the trace that nothing wrote the index arrays.
+values the constants fix (``_bounded._Clean``: the thread index, scalar arguments, shapes, loads of constant
+arrays, and names every assignment of which is of that kind under conditions of that kind), its ``if`` structure
+and the loops Warp unrolls, records the element of every access of the array and its place in the thread's
+sequence of accesses. Where a condition depends on anything else, the probe records both sides in program order
+(a superset, still a proof); where that would make it evaluate a load the kernel may not make, or an index needs
+anything else (a dynamic loop around the access, a ``@wp.func`` or atomic taking the array), there is no proof
+and the refusal stands. (A launch whose dynamic loops the constants bound is probed on its twin with those loops
+unrolled: ``_bounded.py``.)
+
+The proof holds if no element a thread writes is touched by another thread, every index is in range, and, for
+each element a thread both reads and writes, either every read comes before the first write (Warp's adjoint then
+replays on the array's values before the launch, which the bridge passes) or the first access is the only write
+(the walk down a chain of bodies that reads the parent it placed: the adjoint then replays on the values after the
+launch, ``KernelSignature.replay_on_outputs``). The launch runs a twin of the kernel (same source) whose facts say
+so (``_access.ArrayUse.elements_owned``, ``replay_outputs``), and the tracer checks at the end of the trace that
+nothing wrote the arrays the probe read.
 """
 
 from __future__ import annotations
@@ -404,5 +411,6 @@ def with_elements_owned(kernel, owned: dict[str, str]):
 def _with_elements_owned(kernel, owned: tuple[tuple[str, str], ...]):
     names = [n for n, _ in owned]
     twin = _twins.twin_of(kernel, "warpnn_owned", key=f"{kernel.key}__owned_{'_'.join(names)}")
+    _access.share_codegen_facts(twin, kernel)  # (same function, source and options: Warp's facts are the same)
     _access.declare_elements_owned(twin, frozenset(names), frozenset(n for n, how in owned if how == "outputs"))
     return twin

@@ -45,6 +45,12 @@ def with_recorded_atomics(kernel, launch_ndim: int) -> tuple[Any, int] | None:
     return found
 
 
+def uses_atomic_values(kernel) -> bool:
+    """Whether ``kernel``'s body assigns the value an atomic returns to a name (a look at the source only)."""
+    fn = _batched.kernel_body(kernel, _PREFIX)
+    return fn is not None and any(_atomic_value(s) is not None for s in ast.walk(fn) if isinstance(s, ast.stmt))
+
+
 @functools.lru_cache(maxsize=256)
 def _twin(kernel):
     fn = _batched.kernel_body(kernel, _PREFIX)
@@ -109,4 +115,4 @@ def _atomic_value(statement: ast.stmt) -> ast.Call | None:
     return statement.value if name in _ATOMICS else None
 
 
-__all__ = ["RECORD", "with_recorded_atomics"]
+__all__ = ["RECORD", "uses_atomic_values", "with_recorded_atomics"]

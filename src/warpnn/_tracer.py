@@ -546,7 +546,8 @@ class _Recorder:
             args = _value_args.expand(kernel, args)
             kernel = _value_args.with_components(kernel)
             params = kernel.adj.args
-        if _ATOMIC_VALUE in " ".join(_access.codegen_facts(kernel).adjoint_problems):
+        if _recorded.uses_atomic_values(kernel) and _ATOMIC_VALUE in " ".join(
+                _access.codegen_facts(kernel).adjoint_problems):
             kernel, args = self._with_recorded_atomics(kernel, args, dims)
         uses = kernel_array_uses(kernel)
         if not block_dim:
@@ -631,7 +632,8 @@ class _Recorder:
             found = None
             # Loops bounded where the constants fix them: for the adjoint's sake, or for the in-place proof's (it
             # follows static loops only)
-            if _access.codegen_facts(kernel).adjoint_problems or set(owned) != set(in_place):
+            if _bounded.has_dynamic_loops(kernel) and (
+                    set(owned) != set(in_place) or _access.codegen_facts(kernel).adjoint_problems):
                 found = _bounded.bounded(kernel, args, dims, self._constant_so_far,
                                          accept=lambda twin: self._all_owned(twin, args, dims))
         if found is not None:
