@@ -436,7 +436,7 @@ class _Recorder:
         self.ops: list = []
         # launch-time proofs (_owned.py, _bounded.py): (op index, arrays read, kernel without the proof, its twin,
         # {array: how its adjoint replays} for the arrays whose elements are owned)
-        self.proofs: list[tuple[int, frozenset, Any, Any, frozenset]] = []
+        self.proofs: list[tuple[int, frozenset, Any, Any, dict[str, str]]] = []
         self.arrays: dict[Any, _ArrayInfo] = {}
         self.snapshots: dict[Any, np.ndarray] = {}
         self.frozen_host_ops = frozen_host_ops
@@ -546,12 +546,17 @@ class _Recorder:
             args = _value_args.expand(kernel, args)
             kernel = _value_args.with_components(kernel)
             params = kernel.adj.args
+        unrecorded = kernel, args
         if _recorded.uses_atomic_values(kernel) and _ATOMIC_VALUE in " ".join(
                 _access.codegen_facts(kernel).adjoint_problems):
             kernel, args = self._with_recorded_atomics(kernel, args, dims)
         uses = kernel_array_uses(kernel)
         if not block_dim:
             kernel, uses = self._with_launch_proofs(kernel, args, dims, uses)
+        if kernel is not unrecorded[0] and _recorded.RECORD in uses and not uses[_recorded.RECORD].elements_owned:
+            # (no proof that each thread reads back only its own record: the kernel as launched, and its refusal)
+            kernel, args = unrecorded
+            uses = kernel_array_uses(kernel)
         params = kernel.adj.args
         is_array = [p.label in uses for p in params]
         written = [is_array[i] and uses[p.label].writes for i, p in enumerate(params)]
