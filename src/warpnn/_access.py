@@ -820,13 +820,16 @@ def _adjointless_call_problem(adj, func, args: list, output) -> str | None:
             "for it: the gradient through it would be zero")
 
 
-# The names _recorded.py's twins give an atomic's value, whose only use is a store into the twin's record.
-RECORDED_VALUE = re.compile(r"\s*wnrec_v\d+\s*=")
+# The names _recorded.py's twins give an atomic's value (the prefix, then a number), whose only use is a store into
+# the twin's record; and the words of the problem such a value is otherwise.
+RECORDED_VALUE_PREFIX = "wnrec_v"
+ATOMIC_VALUE_PROBLEM = "uses the value wp.atomic"
+_RECORDED_VALUE = re.compile(rf"\s*{RECORDED_VALUE_PREFIX}\d+\s*=")
 
 
 def stores_only_into_the_record(source_line: str) -> bool:
     """Whether a statement of generated source assigns an atomic's value to one of a recording twin's names."""
-    return bool(RECORDED_VALUE.match(source_line))
+    return bool(_RECORDED_VALUE.match(source_line))
 
 
 def _replayless_value_problem(adj, func, return_value_used: bool) -> str | None:

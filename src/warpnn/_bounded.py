@@ -107,11 +107,6 @@ class _Clean:
         self.dirty: set[str] = set()
         self.loads: set[str] = set()
         self._found: dict[tuple[int, Any], list[Any]] = {}
-        self.tid: set[str] = set()
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _call_name(node.value) == "tid":
-                for t in node.targets:
-                    self.tid |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
         self._settle()
 
     def _settle(self) -> None:
@@ -356,9 +351,10 @@ def _plan_cached(kernel, constants: frozenset[str]) -> _Plan | str | None:
         loads = set(clean.loads)
         functions: list[_Body] = []
         _collect_functions(fn, clean, {n: {n} for n in constants}, loads, functions)
-        if not _loops_of(fn) and not functions:
+        loops = len(_loops_of(fn))
+        if not loops and not functions:
             return None
-        return _Plan(_Body(kernel, fn, len(_loops_of(fn))), functions, frozenset(loads))
+        return _Plan(_Body(kernel, fn, loops), functions, frozenset(loads))
     except _NotBounded as e:
         return str(e)
 
@@ -366,21 +362,16 @@ def _plan_cached(kernel, constants: frozenset[str]) -> _Plan | str | None:
 def has_dynamic_loops(kernel) -> bool:
     """Whether ``kernel`` or a ``@wp.func`` it calls has a loop this module would bound (a look at the source
     only, before asking Warp's code generator anything)."""
-    fn = _batched.kernel_body(kernel, _PREFIX)
-    if fn is None:
+    if _batched.kernel_body(kernel, _PREFIX) is None:
         return False
-    if _loops_of(fn):
-        return True
-    names = _access._names_visible_to(kernel.func)
     try:
-        return any(_needs_twin(g) for node in ast.walk(fn) if isinstance(node, ast.Call)
-                   and (g := _user_function(node.func, names)) is not None)
+        return _needs_twin(kernel)
     except _NotBounded:
         return True
 
 
 def _needs_twin(f, seen=()) -> bool:
-    """Whether ``f`` has loops to bound or calls a function that does."""
+    """Whether ``f`` (a ``@wp.func``, or a kernel) has loops to bound or calls a function that does."""
     if f in seen:
         raise _NotBounded(f"@wp.func '{f.key}' calls itself")
     fn = _access._function_def(f.adj.tree)

@@ -38,11 +38,11 @@ import numpy as np
 import warp as wp
 
 from . import _access, _twins
+from ._bounded import _Clean
 from . import _warp_compat as wc
 from ._signature import kernel_array_uses
 
 _PREFIX = "wnowned_"
-_SAFE_CALLS = {"int", "float", "bool", "min", "max", "abs", "int32", "int64", "uint32", "clamp", "where"}
 
 
 class _NoProof(Exception):
@@ -122,8 +122,6 @@ class _ProbeBuilder:
     replaced by stores of its indices and its place in the thread's accesses into ``wnowned_out[thread, ...]``."""
 
     def __init__(self, kernel, name: str, constants: frozenset[str]):
-        from ._bounded import _Clean
-
         self.kernel, self.name = kernel, name
         self.fn = _twins.copy_tree(_access._function_def(kernel.adj.tree), kernel)
         self.params = {a.label: a.type for a in kernel.adj.args}

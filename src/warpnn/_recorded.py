@@ -26,7 +26,7 @@ from typing import Any
 
 import warp as wp
 
-from . import _batched, _twins
+from . import _access, _batched, _twins
 from . import _warp_compat as wc
 
 RECORD = "wnrec_slots"
@@ -85,7 +85,7 @@ def _twin(kernel):
                 if id(statement) in in_loop or not (isinstance(array, ast.Name) and array.id in integer_arrays):
                     return None  # (a value from a loop or a float atomic: no record)
                 index = ", ".join([*tid_names, str(sites)])
-                value = f"{_PREFIX}v{sites}"
+                value = f"{_access.RECORDED_VALUE_PREFIX}{sites}"
                 rewritten = ast.parse(f"{value} = {ast.unparse(call)}\n{RECORD}[{index}] = {value}\n"
                                       f"{statement.targets[0].id} = {RECORD}[{index}]").body
                 block[i:i + 1] = rewritten

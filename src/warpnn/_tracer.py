@@ -158,7 +158,10 @@ class _Set:
     src: Any  # another array's key (clone, assign of an array)
 
 
-_ATOMIC_VALUE = "uses the value wp.atomic"  # (_access._replayless_value_problem's words)
+def _in_place_names(kernel, args, uses) -> list[str]:
+    """The arrays a launch of ``kernel`` with ``args`` reads and writes where Warp's adjoint cannot (yet) follow."""
+    return [p.label for p, a in zip(kernel.adj.args, args)
+            if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
 
 
 def _launched_key(kernel) -> str:
@@ -547,7 +550,7 @@ class _Recorder:
             kernel = _value_args.with_components(kernel)
             params = kernel.adj.args
         unrecorded = kernel, args
-        if _recorded.uses_atomic_values(kernel) and _ATOMIC_VALUE in " ".join(
+        if _recorded.uses_atomic_values(kernel) and _access.ATOMIC_VALUE_PROBLEM in " ".join(
                 _access.codegen_facts(kernel).adjoint_problems):
             kernel, args = self._with_recorded_atomics(kernel, args, dims)
         uses = kernel_array_uses(kernel)
@@ -618,7 +621,7 @@ class _Recorder:
         """``kernel`` and ``args`` or, where the kernel uses values its atomics return (which Warp's adjoint does not
         have), its twin that records them for the adjoint (``_recorded.py``) and the arguments with the record."""
         found = _recorded.with_recorded_atomics(kernel, len(dims))
-        if found is None or _ATOMIC_VALUE in " ".join(_access.codegen_facts(found[0]).adjoint_problems):
+        if found is None or _access.ATOMIC_VALUE_PROBLEM in " ".join(_access.codegen_facts(found[0]).adjoint_problems):
             return kernel, args
         twin, sites = found
         device = next((a.device for a in args if isinstance(a, wp.array)), None)
@@ -629,8 +632,7 @@ class _Recorder:
         they allow: the elements of arrays it updates in place at computed indices placed per thread
         (``_owned.py``: mujoco_warp's ``qpos`` by joint), dynamic loops bounded by the model unrolled
         (``_bounded.py``), or both. ``settle_proofs`` checks at the end that nothing wrote the arrays they read."""
-        in_place = [p.label for p, a in zip(kernel.adj.args, args)
-                    if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
+        in_place = _in_place_names(kernel, args, uses)
         with self.suspended():
             owned, read = _owned.prove(kernel, args, dims, in_place, self._constant_so_far) if in_place \
                 else ({}, [])
@@ -655,9 +657,7 @@ class _Recorder:
 
     def _all_owned(self, kernel, args, dims):
         """``(owned, arrays read)`` where a proof places every array ``kernel`` updates in place, else None."""
-        uses = kernel_array_uses(kernel)
-        names = [p.label for p, a in zip(kernel.adj.args, args)
-                 if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
+        names = _in_place_names(kernel, args, kernel_array_uses(kernel))
         if not names:
             return {}, []
         owned, read = _owned.prove(kernel, args, dims, names, self._constant_so_far)
