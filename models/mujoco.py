@@ -76,6 +76,100 @@ def data_arrays(obj) -> dict[str, wp.array]:
     return found
 
 
+def _inertia_to_dense(m) -> Callable[[jax.Array], jax.Array]:
+    """``M`` in mujoco_warp's CSR layout (the lower triangle, ``(nworld, nC)``) -> dense ``(nworld, nv, nv)``."""
+    import numpy as np
+
+    rownnz, rowadr, colind = (np.asarray(a.numpy()) for a in (m.M_rownnz, m.M_rowadr, m.M_colind))
+    where = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)]).astype(np.int32)
+    rows = np.repeat(np.arange(m.nv), rownnz).astype(np.int32)
+    cols = colind[where].astype(np.int32)
+    off = rows != cols
+
+    def dense(M):
+        lower = jnp.zeros((M.shape[0], m.nv, m.nv), M.dtype).at[:, rows, cols].set(M[:, where])
+        return lower + jnp.swapaxes(lower.at[:, rows[~off], cols[~off]].set(0), 1, 2)
+
+    return dense
+
+
+def _stage_rules(m) -> list:
+    """How reverse mode crosses the two stages of a step no per-kernel adjoint gets right (``warpnn.StageRule``).
+
+    * ``smooth.factor_solve_i(m, d, M, L, D, x, y)``: factors the inertia-like matrix and solves ``x = M^-1 y``
+      (``qacc_smooth``, the implicit damping's ``qacc``); its kernels write ``x`` and read it back. Rule: the solve.
+    * ``solver.solve(m, d)``: the constraint solver (which runs even without constraints). Its converged ``qacc``
+      minimises ``0.5 (a - a_s)' M (a - a_s) + s(J a - aref)``; at the solution ``F(a) = M (a - a_s) - J' f(J a -
+      aref) = 0`` with the constraint forces ``f`` (``-D (J a - aref)`` on the rows the solver left QUADRATIC,
+      ``+-frictionloss`` on LINEARNEG / LINEARPOS, 0 on SATISFIED). The rule is one Newton step on ``F`` from the
+      solution with the active set held (implicit differentiation: ``da = -H^-1 dF``, ``H = M + J' D J``), as MJX's
+      JAX backend differentiates its solver. Covered: a dense Jacobian, pyramidal cones, no noslip; otherwise the
+      rule refuses and reverse mode through the solver is refused with it.
+    """
+    from mujoco_warp._src import smooth, solver, types
+
+    dense = _inertia_to_dense(m)
+    nv = m.nv
+    quadratic, negative, positive = (int(types.ConstraintState.QUADRATIC), int(types.ConstraintState.LINEARNEG),
+                                     int(types.ConstraintState.LINEARPOS))
+
+    def solve_rule(before, after):
+        y = before["y"]
+        x = jnp.linalg.solve(dense(before["M"]), y[:, :nv, None])[..., 0]
+        return {"x": after["x"].at[:, :nv].set(x) if after["x"].shape[1] > nv else x}
+
+    unsupported = ("a sparse constraint Jacobian" if m.is_sparse else
+                   "elliptic friction cones (opt.cone)" if m.opt.cone == types.ConeType.ELLIPTIC else
+                   "noslip iterations" if m.opt.noslip_iterations > 0 else None)
+
+    def constraint_rule(before, after):
+        if unsupported is not None:
+            raise NotImplementedError(f"the constraint solver's implicit rule covers pyramidal cones and a dense "
+                                      f"Jacobian without noslip; this model has {unsupported}")
+        M = dense(before["M"])
+        J = before["efc.J"][:, :, :nv]
+        rows = jnp.arange(J.shape[1])[None, :] < after["nefc"][:, None]
+        state = after["efc.state"]
+        d = jnp.where(rows & (state == quadratic), before["efc.D"], 0.0)
+        linear = jnp.where(rows & (state == negative), before["efc.frictionloss"], 0.0) \
+            - jnp.where(rows & (state == positive), before["efc.frictionloss"], 0.0)
+
+        def force(a):
+            return -d * (jnp.einsum("wrv,wv->wr", J, a) - before["efc.aref"]) + linear
+
+        def residual(a):
+            return jnp.einsum("wuv,wv->wu", M, a - before["qacc_smooth"][:, :nv]) - jnp.einsum("wrv,wr->wv", J, force(a))
+
+        solution = after["qacc"][:, :nv]
+        hessian = jax.lax.stop_gradient(M + jnp.einsum("wrv,wr,wru->wvu", J, d, J))
+        a = solution - jnp.linalg.solve(hessian, residual(solution)[..., None])[..., 0]
+        f = force(a)
+        return {"qacc": a, "qfrc_constraint": jnp.einsum("wrv,wr->wv", J, f),
+                "efc.force": jnp.where(rows, f, before["efc.force"]),
+                "efc.Ma": jnp.einsum("wuv,wv->wu", M, a)}
+
+    factor_solve = warpnn.StageRule(
+        smooth, "factor_solve_i", solve_rule,
+        reads=lambda m, d, M, L, D, x, y: {"M": M, "y": y},
+        writes=lambda m, d, M, L, D, x, y: {"x": x},
+        ignores=lambda m, d, M, L, D, x, y: {"L": L, "D": D, "x": x},  # overwritten
+    )
+    constraint_solve = warpnn.StageRule(
+        solver, "solve", constraint_rule,
+        reads=lambda m, d: {"M": d.M, "qacc_smooth": d.qacc_smooth, "efc.J": d.efc.J, "efc.D": d.efc.D,
+                            "efc.aref": d.efc.aref, "efc.frictionloss": d.efc.frictionloss, "efc.force": d.efc.force},
+        writes=lambda m, d: {"qacc": d.qacc, "qfrc_constraint": d.qfrc_constraint, "efc.force": d.efc.force,
+                             "efc.Ma": d.efc.Ma},
+        context=lambda m, d: {"nefc": d.nefc, "efc.state": d.efc.state},
+        # the warm start does not move a converged solution; qfrc_smooth = M qacc_smooth is read through both;
+        # the rest is overwritten; contact friction enters pyramidal cones through J
+        ignores=lambda m, d: {"qacc_warmstart": d.qacc_warmstart, "qfrc_smooth": d.qfrc_smooth,
+                              "qfrc_constraint": d.qfrc_constraint, "efc.Ma": d.efc.Ma, "qacc": d.qacc,
+                              "contact.friction": d.contact.friction},
+    )
+    return [factor_solve, constraint_solve]
+
+
 def _load(model):
     import mujoco
 
@@ -152,6 +246,7 @@ class MujocoStep:
         # capture_while reads the solver's loop count from a device array: a replay needs a fixed loop
         self.m.opt.graph_conditional = False
         self.d = mjw.put_data(self.mjm, data, nworld=nworld, nconmax=nconmax, njmax=njmax)
+        self._rules = _stage_rules(self.m)
         self.nworld = nworld
         self.param_fields = tuple(param_fields)
         self._data = data_arrays(self.d)
@@ -186,7 +281,7 @@ class MujocoStep:
         inputs = {f"state/{n}": self._data[n] for n in self.state_fields}
         inputs.update({f"params/{n}": a for n, a in self._params.items()})
         outputs = {n: self._data[n] for n in self.state_fields}
-        self.program = warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs)
+        self.program = warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs, rules=self._rules)
 
     def reverse_refusals(self) -> dict[str, str]:
         """The step's kernels that reverse mode refuses today, ``{kernel key: "<stage>: <reason>"}``.
@@ -199,7 +294,7 @@ class MujocoStep:
         installed package untouched. The stage is the mujoco_warp module (``smooth``, ``forward``, ``passive``,
         ``constraint``, ``solver``, ``collision_*``, ...).
         """
-        modules = {}
+        modules = {rule.key: rule.key.rsplit(".", 2)[-2] for rule in self._rules}
         for op in self.program.launches():  # (a twin's key starts with its kernel's, as the refusals name it)
             modules.setdefault(op.kernel.key, getattr(op.kernel.func, "__module__", "?").rsplit(".", 1)[-1])
         return {key: f"{next(m for k, m in modules.items() if k.startswith(key))}: {why}"

@@ -20,6 +20,7 @@ from ._cuda_graphs import enable_cuda_graph_capture as enable_cuda_graph_capture
 from ._devices import jax_warp_device as jax_warp_device
 from ._io import atomic_write as atomic_write
 from ._io import atomic_write_bytes as atomic_write_bytes
+from ._stage_rules import StageRule as StageRule
 from ._tracer import LaunchRecord as LaunchRecord
 from ._tracer import WarpProgram as WarpProgram
 from ._tracer import trace as trace
@@ -33,6 +34,7 @@ __version__ = "0.2.0"  # the one place the version is written: pyproject.toml re
 # renders exactly these). Add a name here when you re-export it above.
 __all__ = [
     "SECOND_ORDER_MESSAGE",
+    "StageRule",
     "Binding",
     "KernelIndexError",
     "LaunchRecord",

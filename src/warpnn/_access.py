@@ -274,6 +274,9 @@ class _UseCollector:
             elif isinstance(node.target, ast.Name) and node.target.id in self.env:
                 self._undecide(self.env[node.target.id][0], f"line {node.lineno} rebinds it")
             self.expr(node.value)
+        elif isinstance(node, ast.If) and isinstance(node.test, ast.Constant):
+            # `if wp.static(flag):` -- Warp's tree holds the value it evaluated, and it generates only that branch
+            self.body(node.body if node.test.value else node.orelse)
         elif isinstance(node, ast.If):
             self.expr(node.test)
             self.conditional += 1

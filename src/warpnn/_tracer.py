@@ -43,10 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
-from . import _access, _bounded, _owned, _recorded, _value_args
+from . import _access, _bounded, _owned, _recorded, _stage_rules, _value_args
 from ._batched import with_parameters_merged, with_parameters_reordered
 from ._bridge import jax_kernel
 from ._signature import fully_written, kernel_array_uses, signature_of
+from ._stage_rules import StageRecord, StageRule
 from ._unrolled import adjoint_signature
 
 # What the tracer refuses, with the fix. Module constants so that tests and docs can refer to them.
@@ -176,8 +177,9 @@ class WarpProgram:
     Warp arrays' shapes (a ``wp.array(dtype=wp.vec3)`` of length n is an ``(n, 3)`` array).
     """
 
-    def __init__(self, ops, arrays, constants, input_keys, output_keys, views=None):
+    def __init__(self, ops, arrays, constants, input_keys, output_keys, views=None, stages=()):
         self._ops = tuple(ops)
+        self._stages: dict[int, StageRecord] = {s.start: s for s in stages if s.end > s.start}  # by first op
         self._views: dict[Any, Any] = dict(views or {})  # array key -> the key whose value it reshapes
         self._platform: str | None = None  # where the traced launches ran (set by trace)
         self._arrays: dict[Any, _ArrayInfo] = arrays
@@ -220,7 +222,11 @@ class WarpProgram:
         """One line per recorded operation: what the replay does."""
         label = lambda k: self._arrays[k].label  # noqa: E731
         lines = []
-        for op in self._ops:
+        for i, op in enumerate(self._ops):
+            if i in self._stages:
+                stage = self._stages[i]
+                lines.append(f"stage {stage.rule.key} (operations {stage.start}-{stage.end - 1}: reverse mode by its "
+                             f"rule{'' if stage.refusal is None else ', refused'}):")
             if isinstance(op, _Launch):
                 outs = ", ".join(f"{p} {'updated' if p in op.in_out_names else '='}" for _, p in op.results)
                 lines.append(f"launch {op.kernel.key} dims {op.dims}: {outs}")
@@ -298,8 +304,11 @@ class WarpProgram:
         (which may let a loop be unrolled for the adjoint, ``warpnn._unrolled``); a kernel is listed if any of its
         launches is refused."""
         refused: dict[str, str] = {}
-        for op in self._ops:
-            if not isinstance(op, _Launch) or _launched_key(op.kernel) in refused:
+        ruled = {i for stage in self._stages.values() for i in range(stage.start, stage.end)}
+        for i, op in enumerate(self._ops):
+            if i in self._stages and self._stages[i].refusal is not None:
+                refused.setdefault(self._stages[i].rule.key, self._stages[i].refusal)
+            if not isinstance(op, _Launch) or _launched_key(op.kernel) in refused or i in ruled:
                 continue
             sig = signature_of(op.kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
             names = [spec.name for spec in sig.inputs]
@@ -346,6 +355,22 @@ class WarpProgram:
                 )
             env[key] = jnp.asarray(value)
 
+        get, put = self._accessors(env)
+        index = 0
+        while index < len(self._ops):
+            stage = self._stages.get(index)
+            if stage is None or on_launch is not None:  # (launch by launch for a test that watches each)
+                self._replay_op(self._ops[index], get, put, on_launch)
+                index += 1
+                continue
+            results = self._stage_function(stage)(*(get(k) for k in stage.outside))
+            for key, value in zip(stage.written, results):
+                put(key, value)
+            index = stage.end
+        return {name: get(key) for name, key in self._output_keys.items()}
+
+    def _accessors(self, env: dict):
+        """``get(key)`` and ``put(key, value)`` over ``env`` (values by base key; a view reshapes its base's)."""
         def get(key):
             base = self._views.get(key, key)
             value = env[base] if base in env else self._constant(base)
@@ -355,20 +380,35 @@ class WarpProgram:
             base = self._views.get(key, key)
             env[base] = value if base is key else value.reshape(self._arrays[base].shape)
 
-        for op in self._ops:
-            if isinstance(op, _Launch):
-                if on_launch is not None:
-                    on_launch(LaunchRecord(op.kernel, op.dims, op.block_dim, op.num_outputs, op.in_out_names, op.output_dims),
-                              [_argument(kind, v, get) for kind, v in op.inputs])
-                _replay_launch(op, get, put)
-            elif isinstance(op, _Copy):
-                put(op.dest, _replay_copy(op, get(op.dest), get(op.src)))
-            elif isinstance(op, _Fill):
-                info = self._arrays[op.dest]
-                put(op.dest, jnp.broadcast_to(jnp.asarray(op.value, info.dtype), info.shape))
-            else:
-                put(op.dest, get(op.src))
-        return {name: get(key) for name, key in self._output_keys.items()}
+        return get, put
+
+    def _replay_op(self, op, get, put, on_launch=None) -> None:
+        if isinstance(op, _Launch):
+            if on_launch is not None:
+                on_launch(LaunchRecord(op.kernel, op.dims, op.block_dim, op.num_outputs, op.in_out_names, op.output_dims),
+                          [_argument(kind, v, get) for kind, v in op.inputs])
+            _replay_launch(op, get, put)
+        elif isinstance(op, _Copy):
+            put(op.dest, _replay_copy(op, get(op.dest), get(op.src)))
+        elif isinstance(op, _Fill):
+            info = self._arrays[op.dest]
+            put(op.dest, jnp.broadcast_to(jnp.asarray(op.value, info.dtype), info.shape))
+        else:
+            put(op.dest, get(op.src))
+
+    def _stage_function(self, stage: StageRecord):
+        """The stage as a ``jax.custom_vjp`` function of the arrays it reads (``_stage_rules.stage_function``)."""
+        cache = self.__dict__.setdefault("_stage_functions", {})
+        if stage.start not in cache:
+            def replay(env):  # the stage's operations over the values given: keys are base keys
+                get, put = self._accessors(env)
+                for op in self._ops[stage.start:stage.end]:
+                    self._replay_op(op, get, put)
+                return env
+
+            cache[stage.start] = _stage_rules.stage_function(
+                stage, replay, {k: info.dtype for k, info in self._arrays.items()})
+        return cache[stage.start]
 
 
 def _array_keys(specs):
@@ -434,6 +474,16 @@ def _written_keys(op) -> set:
     return {key for key, _ in op.results if key is not None} if isinstance(op, _Launch) else {op.dest}
 
 
+def _read_keys(op) -> set:
+    """The keys of the arrays a recorded operation reads: a launch's array arguments (in-out ones included), a
+    copy's source and destination (a copy may update part of it), a set's source."""
+    if isinstance(op, _Launch):
+        return set(_array_keys(op.inputs))
+    if isinstance(op, _Copy):
+        return {op.src, op.dest}
+    return {op.src} if isinstance(op, _Set) else set()
+
+
 class _Recorder:
     def __init__(self, input_arrays: Mapping[str, wp.array], frozen_host_ops: bool):
         self.ops: list = []
@@ -452,6 +502,8 @@ class _Recorder:
         self.platform: str | None = None  # "cpu" or "gpu": where launches with thread blocks ran (WarpProgram._check_platform)
         self.input_keys = {}
         self.inputs_given = list(input_arrays.values())
+        self.stages: list[StageRecord] = []  # traced calls of StageRules' functions (_stage_rules.py)
+        self.stage_open = False
         for name, arr in input_arrays.items():
             if not isinstance(arr, wp.array):
                 raise TypeError(
@@ -757,6 +809,45 @@ class _Recorder:
         d, s = self.touch(dest, "cloned array"), self.touch(src, "clone source")
         self.ops.append(_Set(d, s))
 
+    def stage_call(self, rule: StageRule, original, args, kwargs):
+        """Run a StageRule's function, recording its operations as one stage and checking its rule against them."""
+        if self.stage_open:  # (a call inside another stage is part of it)
+            return original(*args, **kwargs)
+        named = {part: dict(getattr(rule, part)(*args, **kwargs)) for part in ("reads", "writes", "context", "ignores")}
+        keys = {part: tuple((n, self._base(self.touch(a, f"{rule.key}: {n}"))) for n, a in arrays.items())
+                for part, arrays in named.items()}
+        with self.suspended():
+            before = {n: a.numpy().copy() for n, a in named["reads"].items()}
+        start = len(self.ops)
+        self.stage_open = True
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            self.stage_open = False
+        with self.suspended():
+            wp.synchronize()
+            after = {n: a.numpy().copy() for n, a in (*named["writes"].items(), *named["context"].items())}
+        refusal = _stage_rules.check(rule, before, after, list(named["writes"]))
+        self.stages.append(StageRecord(rule, start, len(self.ops), keys["reads"], keys["writes"], keys["context"],
+                                       ignored=frozenset(k for _, k in keys["ignores"]), refusal=refusal))
+        return result
+
+    def _base(self, key):
+        return self.views.get(key, key)
+
+    def settle_stages(self) -> None:
+        """Each stage's record with what its operations read and write (``_stage_rules.settle``)."""
+        inputs = {self._base(k) for k in self.input_keys.values()}
+        dtypes = {k: info.dtype for k, info in self.arrays.items()}
+        labels = {k: info.label for k, info in self.arrays.items()}
+        for i, record in enumerate(self.stages):
+            read, written = [], []
+            for op in self.ops[record.start:record.end]:
+                read += [b for k in _read_keys(op) if (b := self._base(k)) not in written and b not in read]
+                written += [b for k in _written_keys(op) if (b := self._base(k)) not in written]
+            written_before = set().union(*(self._written_by(op) for op in self.ops[:record.start]))
+            self.stages[i] = _stage_rules.settle(record, read, written, inputs, written_before, dtypes, labels)
+
     # -- end -----------------------------------------------------------------------------------
 
     def restore(self) -> None:
@@ -932,8 +1023,17 @@ def _refused_targets():
     return [(o, a, m) for o, a, m in targets if hasattr(o, a)]
 
 
+def _stage_hook(rule: StageRule, original):
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        rec = _recorder()
+        return original(*args, **kwargs) if rec is None else rec.stage_call(rule, original, args, kwargs)
+
+    return call
+
+
 @contextlib.contextmanager
-def _hooks(rec: _Recorder):
+def _hooks(rec: _Recorder, rules: tuple[StageRule, ...] = ()):
     from warp._src import context
 
     _install_hooks()
@@ -948,6 +1048,10 @@ def _hooks(rec: _Recorder):
         name = f"{getattr(owner, '__name__', owner)}.{attr}"
         _ORIGINAL.setdefault(name, getattr(owner, attr))
         patches.append((owner, attr, _refusal_named(name, message)))
+    for rule in rules:
+        if not callable(getattr(rule.owner, rule.name, None)):
+            raise TypeError(f"warpnn.trace: StageRule names {rule.key}, which is not a function of {rule.owner!r}.")
+        patches.append((rule.owner, rule.name, _stage_hook(rule, getattr(rule.owner, rule.name))))
     saved = [(o, a, getattr(o, a)) for o, a, _ in patches]
     with _TRACE_LOCK:
         for owner, attr, fn in patches:
@@ -1079,6 +1183,7 @@ def trace(
     *,
     frozen_host_ops: bool = False,
     python_state: tuple[str, ...] | list[str] = (),
+    rules: tuple[StageRule, ...] | list[StageRule] = (),
 ) -> WarpProgram:
     """Record the Warp operations of ``fn()`` once and return them as a pure JAX function.
 
@@ -1129,7 +1234,7 @@ def trace(
     state = _python_state(fn)
     ran = False
     try:
-        with _hooks(rec):
+        with _hooks(rec, tuple(rules)):
             fn()
         output_keys = {name: rec.touch(arr, name) for name, arr in output_arrays.items()}
         ran = True
@@ -1140,6 +1245,7 @@ def trace(
     if ran and changes:  # (after a failure, the failure is the news; the state is put back either way)
         raise RuntimeError(PYTHON_STATE_MESSAGE.format(changes=", ".join(changes)))
     rec.settle_proofs()
-    program = WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys, rec.views)
+    rec.settle_stages()
+    program = WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys, rec.views, rec.stages)
     program._platform = rec.platform
     return program

@@ -1,0 +1,199 @@
+"""Stage rules: the launches of one Python function, differentiated as a whole by a JAX function.
+
+Some stages of a Warp program have no per-kernel adjoint that could be right: an iterative solver (its line search,
+convergence tests and in-place updates), or a factorization whose kernel reads what it just wrote. Their result is
+still a differentiable function of their inputs, given by conditions the library's authors know: a solve
+``x = M^-1 y``, the optimality conditions of a convex problem at its solution. A :class:`StageRule` names such a
+function and a JAX ``rule`` for those conditions: the traced program replays the stage's launches as Warp ran them
+(the forward is unchanged), and its reverse mode is the VJP of ``rule`` (``jax.custom_vjp`` around the launches).
+That is how JAX users differentiate through solvers (``jax.lax.custom_root``, MJX's constraint solver), put where the
+launches are.
+
+What keeps a rule honest (``warpnn.trace`` checks each, and refuses reverse mode through the stage with the reason):
+
+* the rule must reproduce the stage: when the function is traced, the rule is evaluated on the arrays' values before
+  the call and compared with the values the launches left (``rtol``);
+* every floating-point array the launches read that was written earlier in the program or is an input must be taken
+  by the rule (``reads``) or declared as not changing the derivative (``ignores``: a warm start, a buffer the stage
+  overwrites) -- otherwise its gradient would be lost;
+* every floating-point array the launches write that the rule does not compute gets no gradient: a cotangent that
+  reaches it makes the stage's input cotangents NaN (never a silent zero), as does a gradient with respect to a
+  constant of the program the stage reads (constants passed to ``WarpProgram`` and differentiated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _no_arrays(*args, **kwargs) -> dict:
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRule:
+    """Differentiate the launches of ``owner.name(...)`` inside :func:`warpnn.trace` by the JAX function ``rule``.
+
+    ``reads``, ``writes``, ``context`` and ``ignores`` are called with the function's arguments each time it runs
+    inside the trace, and return the ``wp.array`` s they name, by name::
+
+        warpnn.StageRule(
+            mujoco_warp._src.smooth, "factor_solve_i",               # smooth.factor_solve_i(m, d, M, L, D, x, y)
+            reads=lambda m, d, M, L, D, x, y: {"M": M, "y": y},
+            writes=lambda m, d, M, L, D, x, y: {"x": x},
+            ignores=lambda m, d, M, L, D, x, y: {"L": L, "D": D, "x": x},   # overwritten
+            rule=lambda before, after: {"x": jnp.linalg.solve(dense(before["M"]), before["y"])},
+        )
+
+    Args:
+        owner, name: where the function is looked up when it is called (a module or a class, and the attribute);
+            the trace replaces the attribute while it runs. A call inside another rule's stage is part of that stage.
+        rule: ``rule(before, after) -> {name: value}`` for every name in ``writes``. ``before``: the ``reads``
+            arrays' values before the call (what the VJP differentiates); ``after``: the values the launches left
+            in ``writes`` and ``context`` (not differentiated: a converged solution, an active set, a count).
+        reads: the arrays whose values before the call the rule differentiates.
+        writes: the arrays whose values after the call the rule returns; their cotangents reach ``reads``.
+        context: arrays the rule looks at, after the call, without differentiating them.
+        ignores: arrays the launches read whose values do not change the derivative of ``writes`` (their
+            cotangent is zero): warm starts of a converged solve, buffers the stage overwrites before using.
+        rtol: how closely the rule must reproduce the launches when traced, relative to each array's largest
+            magnitude (at least 1).
+    """
+
+    owner: Any
+    name: str
+    rule: Callable[[Mapping[str, jax.Array], Mapping[str, jax.Array]], Mapping[str, jax.Array]]
+    reads: Callable[..., Mapping[str, Any]]
+    writes: Callable[..., Mapping[str, Any]]
+    context: Callable[..., Mapping[str, Any]] = _no_arrays
+    ignores: Callable[..., Mapping[str, Any]] = _no_arrays
+    rtol: float = 1e-3
+
+    @property
+    def key(self) -> str:
+        """How refusals and ``describe()`` name the stage: ``module.function``."""
+        return f"{getattr(self.owner, '__name__', type(self.owner).__name__)}.{self.name}"
+
+
+def check(rule: StageRule, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray],
+          writes: list[str]) -> str | None:
+    """Why ``rule`` does not reproduce what the stage's launches left in ``writes`` at trace time, or None."""
+    try:
+        with jax.ensure_compile_time_eval():
+            computed = rule.rule({n: jnp.asarray(v) for n, v in before.items()},
+                                 {n: jnp.asarray(v) for n, v in after.items()})
+    except Exception as e:  # noqa: BLE001 - the rule's own refusal (NotImplementedError) or a bug: either way, no rule
+        return f"its rule raised {type(e).__name__}: {e}"
+    missing = sorted(n for n in writes if n not in computed)
+    if missing:
+        return f"its rule returned no value for {missing}"
+    for name in writes:
+        got, want = np.asarray(computed[name]), after[name]
+        if got.shape != want.shape:
+            return f"its rule returned shape {got.shape} for '{name}', the array has shape {want.shape}"
+        scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
+        error = float(np.max(np.abs(got.astype(np.float64) - want), initial=0.0))
+        if not error <= rule.rtol * scale:
+            return (f"its rule does not reproduce the launches at trace time: '{name}' differs by {error:.3g} "
+                    f"(largest magnitude {scale:.3g}, rtol {rule.rtol:g})")
+    return None
+
+
+def is_float(dtype) -> bool:
+    return np.issubdtype(np.dtype(dtype), np.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRecord:
+    """One traced call of a :class:`StageRule`'s function: its launches are ``ops[start:end]`` of the program.
+
+    Keys are the tracer's base array keys. ``outside``: every array the stage's operations read before writing it
+    (the primal arguments of the stage's ``custom_vjp``), with the declared reads; ``written``: every array they
+    write (its results). ``zero_cotangent``: written floating-point arrays the rule does not compute;
+    ``nan_cotangent``: constants of the program the stage reads and the rule does not take."""
+
+    rule: StageRule
+    start: int
+    end: int
+    reads: tuple[tuple[str, Any], ...]
+    writes: tuple[tuple[str, Any], ...]
+    context: tuple[tuple[str, Any], ...]
+    ignored: frozenset = frozenset()
+    outside: tuple[Any, ...] = ()
+    written: tuple[Any, ...] = ()
+    zero_cotangent: tuple[Any, ...] = ()
+    nan_cotangent: tuple[Any, ...] = ()
+    refusal: str | None = None
+
+
+def settle(record: StageRecord, read_keys, written_keys, inputs, written_before, dtypes, labels) -> StageRecord:
+    """``record`` with what its operations read and write and, where a floating-point array they read from the
+    program (an input, or written before the stage) is neither taken nor ignored by the rule, its refusal."""
+    declared = {k for _, k in record.reads}
+    outside = list(dict.fromkeys([*read_keys, *declared, *(k for _, k in record.context if k not in written_keys)]))
+    unruled = [k for k in outside if is_float(dtypes[k]) and k not in declared and k not in record.ignored]
+    constants = tuple(k for k in unruled if k not in inputs and k not in written_before)
+    lost = [k for k in unruled if k not in constants]
+    refusal = record.refusal
+    if refusal is None and lost:
+        refusal = (f"its launches read {sorted({labels[k] for k in lost})}, which the program computes or takes as "
+                   "inputs, and which its rule neither reads nor ignores (their gradient would be lost). Fix: add "
+                   "them to the rule's reads, or to its ignores where they do not change the derivative")
+    computed = {k for _, k in record.writes}
+    zero = tuple(k for k in written_keys if is_float(dtypes[k]) and k not in computed)
+    return dataclasses.replace(record, outside=tuple(outside), written=tuple(written_keys), zero_cotangent=zero,
+                               nan_cotangent=constants, refusal=refusal)
+
+
+def stage_function(record: StageRecord, replay: Callable[[dict], dict], dtypes) -> Callable:
+    """The stage as ``f(*values of record.outside) -> tuple(values of record.written)``: forward by ``replay`` (the
+    launches, given and returning ``{key: value}``), reverse by the VJP of the rule."""
+    position = {k: i for i, k in enumerate(record.outside)}
+
+    def forward(*values):
+        env = replay(dict(zip(record.outside, values)))
+        return tuple(env[k] for k in record.written)
+
+    f = jax.custom_vjp(forward)
+
+    def fwd(*values):
+        outs = forward(*values)
+        return outs, (values, outs)
+
+    def bwd(residuals, cotangents):
+        if record.refusal is not None:
+            raise TypeError(REFUSED_MESSAGE.format(key=record.rule.key, why=record.refusal))
+        values, outs = residuals
+        now = dict(zip(record.outside, values))
+        now.update(zip(record.written, outs))
+        after = {n: jax.lax.stop_gradient(now[k]) for n, k in (*record.writes, *record.context)}
+        before = {n: values[position[k]] for n, k in record.reads}
+        _, vjp = jax.vjp(lambda b: dict(record.rule.rule(b, after)), before)
+        ct = dict(zip(record.written, cotangents))
+        (ct_before,) = vjp({n: ct[k] for n, k in record.writes})
+        # a cotangent the rule cannot carry (on a write it does not compute) poisons the result instead of vanishing
+        lost = [jnp.any(ct[k] != 0) for k in record.zero_cotangent]
+        poison = jnp.where(jnp.any(jnp.stack(lost)), jnp.nan, 0.0) if lost else None
+        result: list[Any] = [None] * len(values)
+        for n, k in record.reads:
+            i = position[k]
+            result[i] = ct_before[n] if result[i] is None else result[i] + ct_before[n]
+        for k in record.nan_cotangent:
+            result[position[k]] = jnp.full(np.shape(values[position[k]]), jnp.nan, dtypes[k])
+        if poison is not None:
+            result = [r if r is None else r + poison.astype(r.dtype) for r in result]
+        return tuple(r if r is not None or not is_float(dtypes[k]) else jnp.zeros(np.shape(values[i]), dtypes[k])
+                     for i, (r, k) in enumerate(zip(result, record.outside)))
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+REFUSED_MESSAGE = ("warpnn: reverse mode through the stage '{key}' (a StageRule) is refused: {why}. Forward replays "
+                   "are unaffected.")
