@@ -6,6 +6,7 @@ traced model costs a JAX compile of ~100 launches (~10 s on 2 CPU cores): each m
 (module-scoped fixtures) and the rollouts are short.
 """
 
+import copy
 import re
 
 import jax
@@ -248,91 +249,74 @@ def test_modules_equal_the_step(arm):
         np.testing.assert_array_equal(np.asarray(got["qvel"]), np.asarray(expected["qvel"]))
 
 
-def mj_step_jacobian(mjm, mjd, wrt, steps, weights, eps=1e-6):
-    """d(weights . [qpos; qvel] after ``steps`` mj_steps) / d(``wrt`` at the start): central differences, float64."""
-    def loss(x):
-        d = mujoco.MjData(mjm)
+def mj_step_gradient(mjm, mjd, steps, weights, where, eps=1e-6):
+    """d(weights . [qpos; qvel] after ``steps`` mj_steps) / d(the values ``where(model, data)`` returns, at the
+    start): central differences in float64, each entry of the array perturbed on a fresh copy of model and data."""
+    def loss(i, delta):
+        model = copy.copy(mjm)
+        d = mujoco.MjData(model)
         d.qpos[:], d.qvel[:], d.ctrl[:] = mjd.qpos, mjd.qvel, mjd.ctrl
-        getattr(d, wrt)[:] = x
+        where(model, d).reshape(-1)[i] += delta
         for _ in range(steps):
-            mujoco.mj_step(mjm, d)
+            mujoco.mj_step(model, d)
         return float(np.concatenate([d.qpos, d.qvel]) @ weights)
 
-    x0 = np.array(getattr(mjd, wrt), dtype=np.float64)
-    grad = np.zeros_like(x0)
-    for i in range(x0.size):
-        e = np.zeros_like(x0)
-        e[i] = eps
-        grad[i] = (loss(x0 + e) - loss(x0 - e)) / (2 * eps)
-    return grad
+    size = where(mjm, mjd).size
+    return np.array([(loss(i, eps) - loss(i, -eps)) / (2 * eps) for i in range(size)])
 
 
-@pytest.mark.parametrize("steps", [1, 10])
-@pytest.mark.parametrize("wrt", ["ctrl", "qvel"])
-def test_arm_gradient_matches_finite_differences_or_is_refused(arm, wrt, steps):
-    """jax.grad through 1 and 10 steps w.r.t. ctrl and the initial qvel: either it matches central differences of
-    mj_step (float64, 1e-3 relative) or it is refused with a TypeError naming a kernel of the step that
-    step.reverse_refusals() lists and the reason, never zeros. Today the first kernel met backwards is refused
-    (8 of the arm step's 53 kernels: the tree walks read values other threads of the same launch write, some
-    loops' and builtins' adjoints are wrong or missing in Warp), so the test ends as an expected failure that says so."""
-    step, mjm, mjd = arm
-    s0 = step.initial_state()
-    weights = np.array([1.0, -0.5, 0.3, 0.7])  # qpos, qvel of the two joints
-    mjd = mujoco.MjData(mjm)
-    mjd.qpos[:], mjd.qvel[:] = [0.3, -0.5], [0.5, -1.0]
-    mjd.ctrl[:] = [0.2, -0.1]
-
-    def loss(x):
-        state = {**s0, "ctrl": jnp.asarray([[0.2, -0.1]], jnp.float32), wrt: x}
-        final, _ = rollout(step, state, num_steps=steps)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
-
-    x0 = jnp.asarray(getattr(mjd, wrt)[None], jnp.float32)
-    try:
-        grad = np.asarray(jax.jit(jax.grad(loss))(x0))[0]
-    except TypeError as error:
-        message = str(error)
-        named = re.search(r"Kernel '([^']+)'", message)
-        assert named, message
-        refusals = step.reverse_refusals()
-        assert named.group(1) in refusals, (named.group(1), sorted(refusals))
-        assert "without an adjoint" in message or "cannot be differentiated" in message, message
-        pytest.xfail(f"reverse mode refused today: {message[:160]}")
-    expected = mj_step_jacobian(mjm, mjd, wrt, steps, weights)
-    np.testing.assert_allclose(grad, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
-
-
-def test_reverse_refusals_name_a_reason_and_kernels_without_adjoint_are_rebuilt(arm):
-    """reverse_refusals() gives each refused kernel its mujoco_warp stage and a reason from the facts (access
-    patterns, loops); a kernel compiled without an adjoint is not refused for that alone: warpnn builds its
-    adjoint in a module of its own (measured on the arm: 8 of 53 kernels refused; the differential test compares
-    the others' gradients with wp.Tape over the rebuilt kernels and with central differences)."""
+def test_arm_has_no_refused_kernel_and_differentiates_its_stages_by_rules(arm):
+    """Every kernel of the arm's step differentiates (mujoco_warp builds 25 of its modules without adjoints: warpnn
+    rebuilds them in modules of its own); the two stages no per-kernel adjoint gets right, the inertia solve and the
+    constraint solver, are differentiated by their rules (warpnn.StageRule, checked against the launches when
+    traced). Tree walks and loops bounded by the model are proven when the step is traced."""
     step, _, _ = arm
-    refusals = step.reverse_refusals()
+    assert step.reverse_refusals() == {}
     from warpnn._tracer import _Launch
 
     kernels = {op.kernel.key: op.kernel for op in step.program._ops if isinstance(op, _Launch)}
     without_adjoint = [k for k, kernel in kernels.items()
                        if not kernel.options.get("enable_backward", kernel.module.options.get("enable_backward", True))]
     assert len(without_adjoint) >= 30
-    # (a launch a proof changed runs a twin whose key starts with its kernel's; refusals name the kernel)
-    assert all(any(k.startswith(r) for k in kernels) for r in refusals) and len(refusals) < len(without_adjoint)
-    assert "_next_velocity" not in refusals  # forward-only in mujoco_warp, differentiable here
-    # the tree walk down the arm's one branch is proven at trace time (each body's parent placed by the same thread)
-    assert "_kinematics_branch" not in refusals
-    assert refusals["_small_cholesky_factorize_solve_block__locals__kernel"].startswith("smooth: array 'x_out'")
-    assert all("enable_backward" not in why for why in refusals.values())
+    described = step.program.describe()
+    assert "stage mujoco_warp._src.smooth.factor_solve_i" in described
+    assert "stage mujoco_warp._src.solver.solve" in described
 
 
-def test_cartpole_with_joint_limit_equals_mujoco_warp():
-    """Cart driven into its rail limit (the constraint solver engages from ~step 30): 50 replayed steps equal
-    mujoco_warp run directly (measured max error 0.0) and mj_step within 5e-4 (measured 3.5e-6).
+@pytest.mark.parametrize("steps", [1, 10, 100])
+def test_arm_gradient_matches_finite_differences_of_mj_step(arm, steps):
+    """jax.grad through 1, 10 and 100 steps w.r.t. the controls, the initial velocity, joint damping and actuator
+    gains matches central differences of mj_step (float64) to 1e-3 relative (measured: <= 2e-6 on 2026-12-05,
+    CPU): the smooth-dynamics tier of the MuJoCo issue."""
+    step, mjm, _ = arm
+    s0 = step.initial_state()
+    weights = np.array([1.0, -0.5, 0.3, 0.7])  # qpos, qvel of the two joints
+    mjd = mujoco.MjData(mjm)
+    mjd.qpos[:], mjd.qvel[:], mjd.ctrl[:] = [0.3, -0.5], [0.5, -1.0], [0.2, -0.1]
 
-    Traced with the sparse Jacobian (MujocoStep's default). With the model's dense one, the replay was 0.09 off
-    from step 24 on: mujoco_warp's fused line search reads ctx.jv through a second parameter bound to the array
-    it writes (see test_dense_fused_linesearch_is_refused)."""
+    def loss(ctrl, qvel, params):
+        final, _ = rollout(step, {**s0, "ctrl": ctrl, "qvel": qvel}, params=params, num_steps=steps)
+        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+        jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params())
+    checks = [
+        (grads[0], lambda m, d: d.ctrl), (grads[1], lambda m, d: d.qvel),
+        (grads[2]["dof_damping"], lambda m, d: m.dof_damping),
+        (grads[2]["actuator_gainprm"], lambda m, d: m.actuator_gainprm),
+    ]
+    for got, where in checks:
+        expected = mj_step_gradient(mjm, mjd, steps, weights, where)
+        np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+
+
+def test_cartpole_with_joint_limit_equals_mujoco_warp_with_a_sparse_jacobian():
+    """Cart driven into its rail limit (the constraint solver engages from ~step 30), traced with a sparse
+    constraint Jacobian: 50 replayed steps equal mujoco_warp run directly (measured max error 0.0) and mj_step
+    within 5e-4 (measured 3.5e-6). The solver's rule covers a dense Jacobian: reverse mode through this one is
+    refused, naming the stage (and so are the sparse layout's row reservations, atomics inside a @wp.func)."""
     mjm, mjd = start(CARTPOLE, qpos=[0.0, 0.2], qvel=[1.0, 0.0])
-    step = MujocoStep(mjm, mjd)
+    step = MujocoStep(mjm, mjd, sparse_jacobian=True)
     mjm = step.mjm
     ctrls = np.full((T, 1, 1), 0.3, np.float32)
     _, traj = jax.jit(lambda s, c: rollout(step, s, {"ctrl": c}))(step.initial_state(), ctrls)
@@ -342,22 +326,43 @@ def test_cartpole_with_joint_limit_equals_mujoco_warp():
     assert np.asarray(traj["nefc"]).max() >= 1  # the limit was active
     ref_qpos, _ = mj_step_loop(mjm, mjd, ctrls)
     np.testing.assert_allclose(np.asarray(traj["qpos"]), ref_qpos, rtol=0, atol=5e-4)
+    refusals = step.reverse_refusals()
+    assert refusals["mujoco_warp._src.solver.solve"].startswith("solver: its rule raised NotImplementedError")
+    assert "sparse constraint Jacobian" in refusals["mujoco_warp._src.solver.solve"]
+    with pytest.raises(TypeError, match="cannot be differentiated|mujoco_warp._src.solver.solve"):
+        jax.grad(lambda c: jnp.sum(rollout(step, step.initial_state(), {"ctrl": c})[0]["qpos"]))(ctrls)
 
 
-def test_cartpole_dense_jacobian_fused_linesearch_equals_mujoco_warp():
-    """With the model's dense Jacobian mujoco_warp's line search writes ctx.jv as 'ctx_jv_out' and reads it back
-    as 'ctx_jv_in' in one launch. The replay gave the two parameters separate values and was 0.09 off in qpos
-    from step 24; the tracer now runs that kernel with the parameters merged (measured max error 0.0)."""
+def test_cartpole_with_joint_limit_equals_mujoco_warp_and_differentiates_through_the_solver():
+    """The same cart with the model's dense Jacobian. mujoco_warp's line search then writes ctx.jv as 'ctx_jv_out'
+    and reads it back as 'ctx_jv_in' in one launch (the replay gave the two parameters separate values and was
+    0.09 off from step 24; the tracer runs that kernel with the parameters merged: measured max error 0.0).
+    Gradients through 50 steps with the limit active (the solver's implicit rule, see
+    warpnn_models.mujoco._stage_rules) match central differences of mj_step: 1e-2 relative asked (the
+    constraint tier), measured 5e-5 w.r.t. the control, 7e-7 w.r.t. the initial velocity."""
     mjm, mjd = start(CARTPOLE, qpos=[0.0, 0.2], qvel=[1.0, 0.0])
     assert mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE
     step = MujocoStep(mjm, mjd)
-    assert not step.m.is_sparse
+    assert not step.m.is_sparse and step.reverse_refusals() == {}
     ctrls = np.full((T, 1, 1), 0.3, np.float32)
     _, traj = jax.jit(lambda s, c: rollout(step, s, {"ctrl": c}))(step.initial_state(), ctrls)
     qpos, qvel = mujoco_warp_loop(mjm, mjd, ctrls)
     np.testing.assert_allclose(np.asarray(traj["qpos"]), qpos, rtol=0, atol=1e-5)
     np.testing.assert_allclose(np.asarray(traj["qvel"]), qvel, rtol=0, atol=1e-5)
     assert np.asarray(traj["nefc"]).max() >= 1
+
+    weights = np.array([1.0, -0.5, 0.3, 0.7])
+    mjd.ctrl[:] = 0.3
+
+    def loss(ctrl, qvel):
+        final, _ = rollout(step, {**step.initial_state(), "ctrl": ctrl, "qvel": qvel}, num_steps=T)
+        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.full((1, 1), 0.3, jnp.float32),
+                                                     jnp.asarray(mjd.qvel[None], jnp.float32))
+    for got, where in ((grads[0], lambda m, d: d.ctrl), (grads[1], lambda m, d: d.qvel)):
+        expected = mj_step_gradient(mjm, mjd, T, weights, where)
+        np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
 
 
 def test_box_falling_onto_a_plane():
@@ -375,3 +380,11 @@ def test_box_falling_onto_a_plane():
     ref_qpos, _ = mj_step_loop(mjm, mjd, steps=steps)
     np.testing.assert_allclose(np.asarray(traj["qpos"]), ref_qpos, rtol=0, atol=5e-4)
     assert abs(float(traj["qpos"][-1, 0, 2]) - 0.1) < 5e-3  # resting on the plane
+    # Reverse mode through contacts is refused, naming the collision stages (not yet differentiable), never zeros
+    refusals = step.reverse_refusals()
+    stages = {why.split(":")[0] for why in refusals.values()}
+    assert {"collision_driver", "collision_primitive"} <= stages, refusals
+    with pytest.raises(TypeError, match="cannot be differentiated") as refused:
+        jax.grad(lambda q: jnp.sum(rollout(step, {**step.initial_state(), "qvel": q}, num_steps=2)[0]["qpos"]))(
+            step.initial_state()["qvel"])
+    assert re.search(r"Kernel '([^']+)'", str(refused.value)).group(1) in refusals

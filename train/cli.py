@@ -39,6 +39,7 @@ TASKS = {
     "control": ("cloth_control", "train an NNX MLP controller through a differentiable cloth rollout"),
     "geometry": ("geometry", "deform a template point cloud to a target shape under Chamfer loss"),
     "newton": ("newton_push", "an NNX policy drags a cloth on the ground through Newton's own solver"),
+    "mujoco": ("mujoco_sysid", "identify a MuJoCo arm's link masses and joint damping through MuJoCo Warp"),
 }
 DEFAULT_TASK = "cloth"
 DEVICES = ("auto", "cpu", "gpu")

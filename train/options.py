@@ -159,6 +159,21 @@ class PushConfig:
     lr: float = 1.0e-2
 
 
+@dataclasses.dataclass(frozen=True)
+class ArmConfig:
+    """The default MuJoCo task: a 2-link arm's link masses and joint damping from a trajectory of MuJoCo C."""
+
+    timestep: float = 0.01
+    frames: int = 150  # rollout steps (1.5 s)
+    true_mass: tuple[float, ...] = (1.0, 0.5)  # upper arm, forearm (kg)
+    true_damping: tuple[float, ...] = (0.3, 0.15)  # shoulder, elbow (N m s / rad)
+    guess_mass: tuple[float, ...] = (0.5, 1.0)
+    guess_damping: tuple[float, ...] = (0.05, 0.6)
+    steps: int = 400
+    lr: float = 0.05
+    velocity_weight: float = 0.1
+
+
 def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data parallelism")
     g.add_argument("--devices", type=COUNT, default=None,
@@ -215,10 +230,19 @@ def add_newton_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=positive_float, default=d.lr, help="Adam learning rate")
 
 
+def add_mujoco_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ArmConfig()
+    parser.set_defaults(steps=d.steps)
+    g = parser.add_argument_group("MuJoCo arm identification")
+    g.add_argument("--frames", type=COUNT, default=d.frames, help="rollout steps of the recorded trajectory")
+    g.add_argument("--lr", type=positive_float, default=d.lr, help="Adam peak learning rate (cosine decay)")
+
+
 # task name -> the function that adds its options to the CLI's parser (see warpnn_train.cli.TASKS)
 ADD_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "cloth": add_cloth_arguments,
     "control": add_control_arguments,
     "geometry": add_geometry_arguments,
     "newton": add_newton_arguments,
+    "mujoco": add_mujoco_arguments,
 }

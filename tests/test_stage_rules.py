@@ -1,0 +1,157 @@
+"""warpnn.StageRule: the launches of one Python function differentiated as a whole by a JAX rule.
+
+The stage here is a Gauss-Seidel solve of ``A x = b``: one kernel sweeping ``x`` in place, which reads what it wrote
+(refused per kernel: Warp's adjoint would replay against the old ``x``). Its rule is the solve; gradients are
+checked against pure JAX (``jnp.linalg.solve``), the forward against Warp running the same function."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import warp as wp
+
+import warpnn
+
+from .helpers import assert_close
+
+N = 4
+
+
+@wp.kernel
+def gauss_seidel(A: wp.array2d(dtype=float), b: wp.array(dtype=float), sweeps: int, x: wp.array(dtype=float),
+                 residual: wp.array(dtype=float)):
+    for _ in range(sweeps):
+        for i in range(b.shape[0]):
+            acc = b[i]
+            for j in range(b.shape[0]):
+                if j != i:
+                    acc -= A[i, j] * x[j]
+            x[i] = acc / A[i, i]
+    for i in range(b.shape[0]):
+        r = b[i]
+        for j in range(b.shape[0]):
+            r -= A[i, j] * x[j]
+        residual[i] = r
+
+
+@wp.kernel
+def scale(a: wp.array2d(dtype=float), s: float, out: wp.array2d(dtype=float)):
+    i, j = wp.tid()
+    out[i, j] = s * a[i, j]
+
+
+def solve(A, b, x, residual):
+    """The stage: an iterative solve, as a library would write it."""
+    x.zero_()
+    wp.launch(gauss_seidel, 1, inputs=[A, b, 60], outputs=[x, residual])
+
+
+THIS = sys.modules[__name__]
+
+
+def solve_rule(before, after):
+    return {"x": jnp.linalg.solve(before["A"], before["b"])}
+
+
+def rule(rule=solve_rule, reads=lambda A, b, x, r: {"A": A, "b": b}, **more):
+    return warpnn.StageRule(THIS, "solve", rule, reads=reads, writes=lambda A, b, x, r: {"x": x}, **more)
+
+
+def problem():
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(N, N)).astype(np.float32)
+    A = A @ A.T + N * np.eye(N, dtype=np.float32)  # symmetric positive definite: Gauss-Seidel converges
+    b = rng.normal(size=N).astype(np.float32)
+    return A, b
+
+
+def traced(rules, with_residual=False):
+    """A program: A2 = 2 A (a kernel before the stage, so A2 is computed, not an input), then the stage."""
+    A, b = problem()
+    A_in, b_in = wp.array(A), wp.array(b)
+    A2, x, r = wp.zeros((N, N), dtype=float), wp.zeros(N, dtype=float), wp.zeros(N, dtype=float)
+
+    def step():
+        wp.launch(scale, (N, N), inputs=[A_in, 2.0], outputs=[A2])
+        THIS.solve(A2, b_in, x, r)
+
+    outputs = {"x": x, "residual": r} if with_residual else {"x": x}
+    return warpnn.trace(step, {"A": A_in, "b": b_in}, outputs, rules=rules), A, b
+
+
+@pytest.fixture(autouse=True)
+def on_cpu():
+    with wp.ScopedDevice("cpu"), jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def test_gradients_through_the_stage_are_the_rules_and_the_forward_is_warps():
+    program, A, b = traced([rule()])
+    assert program.reverse_refusals() == {}
+    assert "stage tests.test_stage_rules.solve" in program.describe()
+    w = jnp.arange(1.0, N + 1)
+
+    def loss(A, b):
+        return jnp.sum(w * program({"A": A, "b": b})["x"])
+
+    def reference(A, b):
+        return jnp.sum(w * jnp.linalg.solve(2 * A, b))
+
+    # forward: Warp's Gauss-Seidel as launched (not the rule's solve), checked against Warp run directly
+    x_warp = wp.zeros(N, dtype=float)
+    solve(wp.array(2 * A), wp.array(b), x_warp, wp.zeros(N, dtype=float))
+    assert_close(program({"A": A, "b": b})["x"], x_warp.numpy(), rtol=0, atol=0)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(A, b)
+    expected = jax.grad(reference, argnums=(0, 1))(A, b)
+    assert_close(grads[0], expected[0], rtol=1e-4, atol=1e-5)
+    assert_close(grads[1], expected[1], rtol=1e-4, atol=1e-5)
+    # vmap over right-hand sides: the same as one at a time
+    bs = np.stack([b, 2 * b, -b])
+    batched = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(A, bs)
+    assert_close(batched, np.stack([jax.grad(reference, argnums=1)(A, v) for v in bs]), rtol=1e-4, atol=1e-5)
+
+
+def test_without_the_rule_the_kernel_is_refused():
+    program, A, b = traced([])
+    assert "gauss_seidel" in program.reverse_refusals()
+    with pytest.raises(TypeError, match="gauss_seidel"):
+        jax.grad(lambda A: jnp.sum(program({"A": A, "b": b})["x"]))(A)
+
+
+def test_a_rule_that_does_not_reproduce_the_launches_is_refused():
+    wrong = rule(rule=lambda before, after: {"x": before["b"]})
+    program, A, b = traced([wrong])
+    why = program.reverse_refusals()["tests.test_stage_rules.solve"]
+    assert "does not reproduce the launches" in why and "'x'" in why
+    assert_close(program({"A": A, "b": b})["x"], np.linalg.solve(2 * A, b), rtol=1e-4, atol=1e-5)  # forward as is
+    with pytest.raises(TypeError, match="stage 'tests.test_stage_rules.solve'.*does not reproduce"):
+        jax.grad(lambda A: jnp.sum(program({"A": A, "b": b})["x"]))(A)
+
+
+def test_a_read_the_rule_neither_takes_nor_ignores_is_refused():
+    # b is an input of the program: without it in the rule, d/db would be lost
+    partial = rule(reads=lambda A, b, x, r: {"A": A}, rule=lambda before, after: {"x": after["x"] + 0 * before["A"][0]})
+    program, A, b = traced([partial])
+    why = program.reverse_refusals()["tests.test_stage_rules.solve"]
+    assert "neither reads nor ignores" in why and "'b'" in why
+    ignored = rule(reads=lambda A, b, x, r: {"A": A}, ignores=lambda A, b, x, r: {"b": b},
+                   rule=lambda before, after: {"x": after["x"] + 0 * before["A"][0]})
+    assert traced([ignored])[0].reverse_refusals() == {}  # declared: the author's claim, taken
+
+
+def test_a_gradient_through_a_write_the_rule_does_not_compute_is_nan_never_zero():
+    program, A, b = traced([rule()], with_residual=True)
+
+    def loss(A, use_residual):
+        out = program({"A": A, "b": b})
+        return jnp.sum(out["x"]) + (jnp.sum(out["residual"]) if use_residual else 0.0)
+
+    assert np.isfinite(np.asarray(jax.grad(loss)(A, False))).all()
+    assert np.isnan(np.asarray(jax.grad(loss)(A, True))).all()
+
+
+def test_a_rule_naming_no_function_is_an_error():
+    with pytest.raises(TypeError, match="not a function"):
+        traced([warpnn.StageRule(THIS, "no_such_function", solve_rule, reads=dict, writes=dict)])
