@@ -3,9 +3,11 @@
 ``python -m benchmarks mujoco_step [--models humanoid aloha] [--nworld 1 1024 8192] [--steps 20] [--out docs/]
 [--merge]``
 
-Models are the ones mujoco_warp ships in ``mujoco_warp/test_data`` (its own benchmarks use them): ``humanoid``
+Models: two that mujoco_warp ships in ``mujoco_warp/test_data`` (its own benchmarks use them), ``humanoid``
 (27 dofs on a floor, from its first keyframe: contacts and the constraint solver) and ``aloha`` (the ALOHA
-bimanual manipulator with a pot: two 6-dof arms with grippers, mesh collisions). Each world starts from the
+bimanual manipulator with a pot: two 6-dof arms with grippers, mesh collisions), whose reverse mode is refused
+today (contacts; tree walks over branches that share bodies), and ``arm7``, a 7-dof serial arm with motors, joint
+damping and limits and no contact (an MJCF written here), which differentiates. Each world starts from the
 model's first keyframe (or its default state) with its own small random joint velocities. For each model and
 number of worlds it times one rollout of ``--steps`` steps and reports steps per second (worlds x steps / s):
 
@@ -13,8 +15,9 @@ number of worlds it times one rollout of ``--steps`` steps and reports steps per
   one ``mujoco_warp.step``) with ``nworld`` worlds: one launch per kernel for all of them, as mujoco_warp;
 * warpnn vmap: ``jax.vmap`` of the one-world step over the worlds (up to ``--vmap-up-to``): warpnn's batched
   twins where mujoco_warp's kernels allow them, one launch per world for the others;
-* warpnn fwd+bwd: ``jax.value_and_grad`` of the final positions' sum with respect to the initial state: refused
-  today with the first kernel's reason (``MujocoStep.reverse_refusals()``), which the row shows;
+* warpnn fwd+bwd: ``jax.value_and_grad`` of the final positions' sum with respect to the initial velocities, or
+  the reason reverse mode is refused (the first kernel met backwards; ``MujocoStep.reverse_refusals()`` lists
+  all); "bwd cost" is warpnn fwd / warpnn fwd+bwd;
 * mujoco_warp captured (GPU): ``mujoco_warp.step`` over ``put_data(nworld=...)``, the rollout captured once with
   ``wp.ScopedCapture`` and replayed with ``wp.capture_launch``; on the CPU, mujoco_warp's Python loop;
 * MJX warp: ``mujoco.mjx`` with ``impl="warp"`` (``jax.vmap`` of ``mjx.step``), where the installed MJX runs.
@@ -42,8 +45,22 @@ from .common import time_interleaved
 
 wp.config.quiet = True
 
-# (file under mujoco_warp/test_data, contacts per world, constraint rows per world)
-MODELS = {"humanoid": ("humanoid/humanoid.xml", 32, 128), "aloha": ("aloha_pot/scene.xml", 256, 768)}
+# (file under mujoco_warp/test_data, or an MJCF string; contacts per world, constraint rows per world)
+MODELS = {"humanoid": ("humanoid/humanoid.xml", 32, 128), "aloha": ("aloha_pot/scene.xml", 256, 768),
+          "arm7": ("<mjcf>", 1, 16)}
+
+
+def _arm7() -> str:
+    """A 7-link serial arm (alternating hinge axes), a motor per joint, damping and limits, contacts off."""
+    body = ""
+    for k in reversed(range(7)):
+        axis = "0 1 0" if k % 2 == 0 else "0 0 1"
+        body = (f'<body name="link{k}" pos="{0.0 if k == 0 else 0.2} 0 0"><joint name="j{k}" axis="{axis}" '
+                f'damping="0.1" limited="true" range="-2 2"/><geom type="capsule" fromto="0 0 0 0.2 0 0" '
+                f'size="0.03" mass="{1.0 - 0.1 * k:.1f}"/>{body}</body>')
+    motors = "".join(f'<motor joint="j{k}" gear="5"/>' for k in range(7))
+    return (f'<mujoco model="arm7"><option timestep="0.005" iterations="10"><flag contact="disable"/></option>'
+            f"<worldbody>{body}</worldbody><actuator>{motors}</actuator></mujoco>")
 
 
 def _model(name: str):
@@ -51,7 +68,10 @@ def _model(name: str):
     import mujoco_warp
 
     path, nconmax, njmax = MODELS[name]
-    mjm = mujoco.MjModel.from_xml_path(os.path.join(os.path.dirname(mujoco_warp.__file__), "test_data", path))
+    if path == "<mjcf>":
+        mjm = mujoco.MjModel.from_xml_string(_arm7())
+    else:
+        mjm = mujoco.MjModel.from_xml_path(os.path.join(os.path.dirname(mujoco_warp.__file__), "test_data", path))
     mjd = mujoco.MjData(mjm)
     if mjm.nkey:
         mujoco.mj_resetDataKeyframe(mjm, mjd, 0)
@@ -211,16 +231,18 @@ def markdown(rows: list[dict]) -> str:
         f"mujoco {mujoco.__version__}, warpnn launcher {warpnn._launch.LAUNCHER.name}. "
         "`python -m benchmarks mujoco_step`. MJX warp runs the copy of mujoco_warp that mujoco-mjx vendors, not "
         "the installed one. A cell with an error names why that case did not run (reverse mode: the first kernel "
-        "refused, `MujocoStep.reverse_refusals()` lists all).",
+        "refused, `MujocoStep.reverse_refusals()` lists all). bwd cost: warpnn fwd / warpnn fwd+bwd.",
         "",
-        "| model | nv | worlds | " + " | ".join(columns) + " | warpnn / mujoco_warp |",
-        "|---|---|---|" + "---|" * (len(columns) + 1),
+        "| model | nv | worlds | " + " | ".join(columns) + " | warpnn / mujoco_warp | bwd cost |",
+        "|---|---|---|" + "---|" * (len(columns) + 2),
     ]
     for r in rows:
         cells = [f"{r[c]:,}" if isinstance(r.get(c), int) else _short(str(r.get(c, ""))) for c in columns]
         base = r.get("mujoco_warp captured", r.get("mujoco_warp loop"))
         ratio = f"{r['warpnn fwd'] / base:.2f}" if isinstance(base, int) and isinstance(r.get("warpnn fwd"), int) else ""
-        lines.append(f"| {r['model']} | {r['nv']} | {r['nworld']:,} | " + " | ".join(cells) + f" | {ratio} |")
+        both = r.get("warpnn fwd+bwd")
+        cost = f"{r['warpnn fwd'] / both:.1f}x" if isinstance(both, int) and isinstance(r.get("warpnn fwd"), int) else ""
+        lines.append(f"| {r['model']} | {r['nv']} | {r['nworld']:,} | " + " | ".join(cells) + f" | {ratio} | {cost} |")
     return "\n".join(lines) + "\n"
 
 
