@@ -23,13 +23,14 @@ The pytrees are dicts of JAX arrays with mujoco_warp's shapes (``qpos``: ``(nwor
 
 What is checked (``tests/test_models_mujoco.py``): forward under ``jit`` / ``lax.scan`` / ``vmap`` against
 ``mujoco_warp.step`` run directly (bit-equal on an arm and a cart-pole hitting a joint limit) and against
-``mujoco.mj_step`` (<= 3.5e-6), and a free box landing on a plane (contacts and the constraint solver). Refused
-today, with the reason: reverse mode through the whole step (``reverse_refusals()`` lists the kernels and why: the
-small Cholesky solve writes ``x_out`` twice and reads it in between, the constraint solver runs even without
-constraints and its loops, atomics and tile Cholesky have no right adjoint in Warp); the other kernels
-differentiate, those mujoco_warp builds with ``enable_backward=False`` through a rebuilt adjoint, tree walks, in-place
-updates and loops bounded by the model through proofs made when the step is traced.
-See ``docs/mujoco.md``.
+``mujoco.mj_step`` (<= 3.5e-6), and a free box landing on a plane (contacts and the constraint solver); reverse mode
+through 1, 10 and 100 steps of the arm against central differences of ``mj_step`` (<= 2e-6) and through the
+cart-pole's active limit (5e-5). mujoco_warp's inertia solve and constraint solver are differentiated by rules
+(:func:`_stage_rules`, ``warpnn.StageRule``: the solve, and the solver's optimality conditions at its solution);
+the other kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with
+tree walks, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with the
+reason (``reverse_refusals()``): contacts (the collision stages), tree walks over branches that share bodies, a
+sparse constraint Jacobian or elliptic cones in the solver's rule. See ``docs/mujoco.md``.
 
 Example::
 
@@ -292,7 +293,9 @@ class MujocoStep:
         warpnn cannot follow. A kernel mujoco_warp compiles without an adjoint (``enable_backward=False`` on 25 of
         its modules) is differentiated through its twin built with one (``warpnn._twins.with_adjoint``), the
         installed package untouched. The stage is the mujoco_warp module (``smooth``, ``forward``, ``passive``,
-        ``constraint``, ``solver``, ``collision_*``, ...).
+        ``constraint``, ``solver``, ``collision_*``, ...). The inertia solve and the constraint solver are
+        differentiated by their rules (``warpnn.StageRule``); a refused rule is listed under its function
+        (``mujoco_warp._src.solver.solve``) with the reason.
         """
         modules = {rule.key: rule.key.rsplit(".", 2)[-2] for rule in self._rules}
         for op in self.program.launches():  # (a twin's key starts with its kernel's, as the refusals name it)

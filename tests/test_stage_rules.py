@@ -155,3 +155,34 @@ def test_a_gradient_through_a_write_the_rule_does_not_compute_is_nan_never_zero(
 def test_a_rule_naming_no_function_is_an_error():
     with pytest.raises(TypeError, match="not a function"):
         traced([warpnn.StageRule(THIS, "no_such_function", solve_rule, reads=dict, writes=dict)])
+
+
+class Solvers:
+    """Stage functions on a class: a static method, a class method and a method keep working after the trace."""
+
+    @staticmethod
+    def static(A, b, x, r):
+        solve(A, b, x, r)
+
+    @classmethod
+    def of_class(cls, A, b, x, r):
+        solve(A, b, x, r)
+
+    def method(self, A, b, x, r):
+        solve(A, b, x, r)
+
+
+@pytest.mark.parametrize("name", ["static", "of_class", "method"])
+def test_a_rule_on_a_class_method_differentiates_and_leaves_the_class_as_it_was(name):
+    A, b = problem()
+    A_in, b_in, x, r = wp.array(A), wp.array(b), wp.zeros(N, dtype=float), wp.zeros(N, dtype=float)
+    solvers = Solvers()
+    stage = warpnn.StageRule(Solvers, name, solve_rule, reads=lambda *a: {"A": a[-4], "b": a[-3]},
+                             writes=lambda *a: {"x": a[-2]})
+    before = dict(vars(Solvers))
+    program = warpnn.trace(lambda: getattr(solvers, name)(A_in, b_in, x, r), {"A": A_in, "b": b_in}, {"x": x},
+                           rules=[stage])
+    assert dict(vars(Solvers)) == before
+    assert program.reverse_refusals() == {}
+    grad = jax.grad(lambda b: jnp.sum(program({"A": A, "b": b})["x"]))(b)
+    assert_close(grad, jax.grad(lambda b: jnp.sum(jnp.linalg.solve(A, b)))(b), rtol=1e-4, atol=1e-5)

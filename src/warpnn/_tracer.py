@@ -306,8 +306,9 @@ class WarpProgram:
         refused: dict[str, str] = {}
         ruled = {i for stage in self._stages.values() for i in range(stage.start, stage.end)}
         for i, op in enumerate(self._ops):
-            if i in self._stages and self._stages[i].refusal is not None:
-                refused.setdefault(self._stages[i].rule.key, self._stages[i].refusal)
+            stage_refusal = self._stages[i].refusal if i in self._stages else None
+            if stage_refusal is not None:
+                refused.setdefault(self._stages[i].rule.key, stage_refusal)
             if not isinstance(op, _Launch) or _launched_key(op.kernel) in refused or i in ruled:
                 continue
             sig = signature_of(op.kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
@@ -1051,8 +1052,11 @@ def _hooks(rec: _Recorder, rules: tuple[StageRule, ...] = ()):
     for rule in rules:
         if not callable(getattr(rule.owner, rule.name, None)):
             raise TypeError(f"warpnn.trace: StageRule names {rule.key}, which is not a function of {rule.owner!r}.")
-        patches.append((rule.owner, rule.name, _stage_hook(rule, getattr(rule.owner, rule.name))))
-    saved = [(o, a, getattr(o, a)) for o, a, _ in patches]
+        hook = _stage_hook(rule, getattr(rule.owner, rule.name))
+        # (on a class, a static or class method's hook calls it as looked up: bound already)
+        static = isinstance(inspect.getattr_static(rule.owner, rule.name), (staticmethod, classmethod))
+        patches.append((rule.owner, rule.name, staticmethod(hook) if static else hook))
+    saved = [(o, a, inspect.getattr_static(o, a) if isinstance(o, type) else getattr(o, a)) for o, a, _ in patches]
     with _TRACE_LOCK:
         for owner, attr, fn in patches:
             setattr(owner, attr, fn)
