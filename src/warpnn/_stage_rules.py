@@ -64,6 +64,10 @@ class StageRule:
             cotangent is zero): warm starts of a converged solve, buffers the stage overwrites before using.
         rtol: how closely the rule must reproduce the launches when traced, relative to each array's largest
             magnitude (at least 1).
+
+    The gradient is the rule's, exactly: warpnn checks its values, not its derivative. A rule that returns ``after``
+    values unchanged has zero derivative; one that leaves out a dependence (a parameter of the solve) drops it.
+    ``reads`` and ``ignores`` are the rule author's statement of what the result depends on.
     """
 
     owner: Any
@@ -136,18 +140,23 @@ def settle(record: StageRecord, read_keys, written_keys, inputs, written_before,
     """``record`` with what its operations read and write and, where a floating-point array they read from the
     program (an input, or written before the stage) is neither taken nor ignored by the rule, its refusal."""
     declared = {k for _, k in record.reads}
-    outside = list(dict.fromkeys([*read_keys, *declared, *(k for _, k in record.context if k not in written_keys)]))
+    launched = set(written_keys)
+    # arrays the rule sees that the launches leave alone keep their values from before the stage: a declared write
+    # passes through (it is a result all the same, which the rule computes)
+    untouched = [k for _, k in (*record.context, *record.writes) if k not in launched]
+    outside = list(dict.fromkeys([*read_keys, *declared, *untouched]))
+    written = [*written_keys, *dict.fromkeys(k for _, k in record.writes if k not in launched)]
     unruled = [k for k in outside if is_float(dtypes[k]) and k not in declared and k not in record.ignored]
     constants = tuple(k for k in unruled if k not in inputs and k not in written_before)
-    lost = [k for k in unruled if k not in constants]
+    lost = [k for k in unruled if k not in constants and k in read_keys]
     refusal = record.refusal
     if refusal is None and lost:
         refusal = (f"its launches read {sorted({labels[k] for k in lost})}, which the program computes or takes as "
                    "inputs, and which its rule neither reads nor ignores (their gradient would be lost). Fix: add "
                    "them to the rule's reads, or to its ignores where they do not change the derivative")
     computed = {k for _, k in record.writes}
-    zero = tuple(k for k in written_keys if is_float(dtypes[k]) and k not in computed)
-    return dataclasses.replace(record, outside=tuple(outside), written=tuple(written_keys), zero_cotangent=zero,
+    zero = tuple(k for k in written if is_float(dtypes[k]) and k not in computed)
+    return dataclasses.replace(record, outside=tuple(outside), written=tuple(written), zero_cotangent=zero,
                                nan_cotangent=constants, refusal=refusal)
 
 
