@@ -84,12 +84,8 @@ def make_optimizer(config: SysIdConfig, steps: int) -> optax.GradientTransformat
 def checkpoint_tree(cloth: Cloth, theta, opt_state, step: int, losses: list[float], trail: list, steps: int) -> dict:
     """What a checkpoint holds: the fitted cloth, log-parameters, optimiser state, steps done, and the loss and
     parameter history so far (fixed shapes: ``steps`` losses, ``steps + 1`` parameter rows, NaN-padded)."""
-    rows = {name: np.full((steps + 1, len(np.asarray(theta[name]))), np.nan, np.float32) for name in theta}
-    for k, t in enumerate(trail):
-        for name in rows:
-            rows[name][k] = np.asarray(t[name])
     return {"cloth": cloth, "theta": theta, "opt_state": opt_state, "step": jnp.asarray(step),
-            "losses": common.losses_array(losses, steps), "trail": rows}
+            "losses": common.losses_array(losses, steps), "trail": common.trail_arrays(theta, trail, steps)}
 
 
 def checkpoint_bytes(tree: dict) -> bytes:

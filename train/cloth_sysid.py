@@ -22,7 +22,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from warpnn_models.cloth import SPRING_KINDS, Cloth, ClothGrid
 
@@ -131,13 +130,7 @@ def fit(
     config = task.config
     steps = config.steps if steps is None else steps
     optimizer = make_optimizer(config, steps)
-    loss = make_loss(task)
-
-    @jax.jit
-    def update(theta, opt_state):
-        value, grads = jax.value_and_grad(loss)(theta)
-        updates, opt_state = optimizer.update(grads, opt_state, theta)
-        return optax.apply_updates(theta, updates), opt_state, value
+    update = common.adam_update(make_loss(task), optimizer)
 
     theta, opt_state, start, losses, trail = fit_start(config, optimizer, resume_from)
 

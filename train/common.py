@@ -339,6 +339,29 @@ def losses_list(array, step: int) -> list[float]:
     return [float(v) for v in np.asarray(array)[:step]]
 
 
+def adam_update(loss: Callable[[Any], Any], optimizer) -> Callable[[Any, Any], tuple[Any, Any, Any]]:
+    """``update(params, opt_state) -> (params, opt_state, loss value)``: one jitted optax step on ``loss``."""
+    import optax
+
+    @jax.jit
+    def update(params, opt_state):
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return update
+
+
+def trail_arrays(params: dict[str, Any], trail: list[dict[str, Any]], steps: int) -> dict[str, np.ndarray]:
+    """The per-step values of ``params`` (1-D arrays by name), ``trail``, as fixed-shape checkpoint leaves:
+    ``steps + 1`` rows each, NaN past the steps done."""
+    rows = {name: np.full((steps + 1, len(np.asarray(value))), np.nan, np.float32) for name, value in params.items()}
+    for k, params in enumerate(trail):
+        for name in rows:
+            rows[name][k] = np.asarray(params[name])
+    return rows
+
+
 # Set by the CLI's SIGINT / SIGTERM handler: the loop finishes the step it is in, checkpoints and stops.
 STOP_REQUESTED = threading.Event()
 

@@ -160,12 +160,8 @@ def make_optimizer(config: ArmConfig, steps: int) -> optax.GradientTransformatio
 def checkpoint_tree(theta, opt_state, step: int, losses: list[float], trail: list, steps: int) -> dict:
     """What a checkpoint holds: log-parameters, optimiser state, steps done, and the loss and parameter history so
     far (fixed shapes: ``steps`` losses, ``steps + 1`` parameter rows, NaN-padded)."""
-    rows = {name: np.full((steps + 1, len(np.asarray(theta[name]))), np.nan, np.float32) for name in theta}
-    for k, t in enumerate(trail):
-        for name in rows:
-            rows[name][k] = np.asarray(t[name])
     return {"theta": theta, "opt_state": opt_state, "step": jnp.asarray(step),
-            "losses": common.losses_array(losses, steps), "trail": rows}
+            "losses": common.losses_array(losses, steps), "trail": common.trail_arrays(theta, trail, steps)}
 
 
 def load_checkpoint(path, config: ArmConfig = ArmConfig()) -> dict:
@@ -182,14 +178,7 @@ def fit(task: Task, progress: bool = True, *, resume_from: dict | None = None, s
     ``opt_state``, ``losses``, ``trail`` (parameters after each step) and ``steps_per_s``."""
     config = task.config
     optimizer = make_optimizer(config, config.steps)
-    loss = make_loss(task)
-
-    @jax.jit
-    def update(theta, opt_state):
-        value, grads = jax.value_and_grad(loss)(theta)
-        updates, opt_state = optimizer.update(grads, opt_state, theta)
-        return optax.apply_updates(theta, updates), opt_state, value
-
+    update = common.adam_update(make_loss(task), optimizer)
     if resume_from is None:
         theta = initial_theta(config)
         opt_state, start, losses, trail = optimizer.init(theta), 0, [], [theta]
