@@ -208,7 +208,8 @@ def test_arm_vmap_equals_single_runs(arm):
 
 def test_worlds_step_together_as_in_mujoco_warp(arm):
     """``nworld=3``: one launch per kernel advances three worlds, equal to mujoco_warp stepping the same three
-    worlds, and each world to the ``nworld=1`` step run from its state (measured 0.0 and 0.0)."""
+    worlds, and each world to the ``nworld=1`` step run from its state (measured 0.0 and 0.0); so are its
+    gradients, and those of ``jax.vmap`` of the one-world step."""
     single, mjm, mjd = arm
     step = MujocoStep(mjm, mjd, nworld=3)
     state = step.initial_state()
@@ -233,6 +234,20 @@ def test_worlds_step_together_as_in_mujoco_warp(arm):
         alone = run({**s0, "qvel": jnp.asarray(qvel[w:w + 1])}, ctrls[:, w:w + 1])
         np.testing.assert_allclose(np.asarray(final["qpos"][w:w + 1]), np.asarray(alone["qpos"]), rtol=0, atol=1e-6)
     assert np.abs(np.asarray(final["qpos"][0] - final["qpos"][2])).max() > 0.05  # the worlds differ
+
+    # Gradients: per world, the three-world step (one launch per kernel, the solver's rules over the world axis),
+    # jax.vmap of the one-world step and the one-world step alone agree
+    def loss(step, qvel, ctrls):
+        state = {**step.initial_state(), "qvel": qvel}
+        return jnp.sum(rollout(step, state, {"ctrl": ctrls}, step.initial_params() or None)[0]["qpos"] ** 2)
+
+    together = jax.jit(jax.grad(lambda q: loss(step, q, ctrls)))(jnp.asarray(qvel))
+    one = jax.jit(jax.grad(lambda q, c: loss(single, q, c)))
+    mapped = jax.vmap(one, in_axes=(0, 1))(jnp.asarray(qvel)[:, None], jnp.asarray(ctrls)[:, :, None])
+    for w in range(3):
+        alone = one(jnp.asarray(qvel[w:w + 1]), ctrls[:, w:w + 1])
+        np.testing.assert_allclose(np.asarray(together[w:w + 1]), np.asarray(alone), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(mapped[w]), np.asarray(alone), rtol=1e-5, atol=1e-6)
     for bad in (0, 2.0):
         with pytest.raises(ValueError, match="nworld must be a positive int"):
             MujocoStep(mjm, mjd, nworld=bad)
