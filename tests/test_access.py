@@ -726,3 +726,45 @@ def test_a_value_an_atomic_returned_refuses_reverse_mode():
     assert_close(jnp.sort(doubled), 2.0 * x_np)  # the forward pass is right and stays available
     with pytest.raises(TypeError, match="uses the value wp.atomic_add returns"):
         jax.grad(lambda x: (call(jnp.zeros(1, jnp.int32), x, launch_dims=4)[1] * weights).sum())(jnp.asarray(x_np))
+
+
+@wp.func
+def _scale_into(src: wp.array(dtype=float), dst: wp.array(dtype=float), i: int):
+    dst[i] = 2.0 * src[i]
+
+
+@wp.func
+def _shift_into(src: wp.array(dtype=float), dst: wp.array(dtype=float), i: int):
+    dst[i] = src[i] + 1.0
+
+
+def _table_kernel(use_shift: bool):
+    # mujoco_warp's collision drivers call functions from tables through wp.static; Warp resolves the call
+    chosen = _shift_into if use_shift else _scale_into
+
+    @wp.kernel
+    def call_from_table(src: wp.array(dtype=float), dst: wp.array(dtype=float)):
+        i = wp.tid()
+        wp.static(chosen)(src, dst, i)
+
+    return call_from_table
+
+
+def test_a_function_called_through_wp_static_is_followed_and_only_the_branch_warp_generates_is_walked():
+    uses = kernel_array_uses(_table_kernel(True))
+    assert uses["src"].undecided is None and uses["dst"].undecided is None
+    assert uses["src"].reads and not uses["src"].writes and uses["dst"].writes and not uses["dst"].reads
+    program = warpnn.jax_kernel(_table_kernel(False), num_outputs=1)
+    x = jnp.arange(4.0)
+    grad = jax.grad(lambda x: jnp.sum(program(x)[0] * jnp.arange(4.0)))(x)
+    np.testing.assert_allclose(np.asarray(grad), 2.0 * np.arange(4.0))
+
+    @wp.kernel
+    def static_branch(src: wp.array(dtype=float), dst: wp.array(dtype=float)):
+        i = wp.tid()
+        if wp.static(False):
+            dst[0] = src[i]  # never generated: would make dst's element shared between threads
+        dst[i] = src[i]
+
+    assert kernel_array_uses(static_branch)["dst"].in_place_problem() is None
+    assert [a.kind for a in kernel_array_uses(static_branch)["dst"].accesses] == ["store"]

@@ -358,6 +358,8 @@ class _UseCollector:
 
     def _resolve(self, func: ast.AST):
         """The Warp function a call names, or None; ``wp.x`` / ``warp.x`` name builtins."""
+        if isinstance(func, ast.Name) and getattr(func, "warp_func", None) is not None:
+            return func.warp_func  # `wp.static(table[i])(...)`: the function Warp resolved, kept on its tree's node
         if isinstance(func, ast.Name):
             return self.globals.get(func.id, getattr(builtins_module, func.id, None))
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
