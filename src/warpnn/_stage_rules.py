@@ -117,10 +117,11 @@ def is_float(dtype) -> bool:
 class StageRecord:
     """One traced call of a :class:`StageRule`'s function: its launches are ``ops[start:end]`` of the program.
 
-    Keys are the tracer's base array keys. ``outside``: every array the stage's operations read before writing it
-    (the primal arguments of the stage's ``custom_vjp``), with the declared reads; ``written``: every array they
-    write (its results). ``zero_cotangent``: written floating-point arrays the rule does not compute;
-    ``nan_cotangent``: constants of the program the stage reads and the rule does not take."""
+    Keys are the tracer's base array keys. ``outside``: every array the stage's operations read before writing it,
+    the declared reads, and the arrays the rule sees that the operations leave alone (the primal arguments of the
+    stage's ``custom_vjp``); ``written``: every array they write, and declared writes they leave alone (its
+    results). ``zero_cotangent``: written floating-point arrays the rule does not compute; ``nan_cotangent``:
+    constants of the program the stage reads and the rule does not take."""
 
     rule: StageRule
     start: int
@@ -195,10 +196,11 @@ def stage_function(record: StageRecord, replay: Callable[[dict], dict], dtypes) 
             result[i] = ct_before[n] if result[i] is None else result[i] + ct_before[n]
         for k in record.nan_cotangent:
             result[position[k]] = jnp.full(np.shape(values[position[k]]), jnp.nan, dtypes[k])
-        if poison is not None:
-            result = [r if r is None else r + poison.astype(r.dtype) for r in result]
-        return tuple(r if r is not None or not is_float(dtypes[k]) else jnp.zeros(np.shape(values[i]), dtypes[k])
-                     for i, (r, k) in enumerate(zip(result, record.outside)))
+        for i, k in enumerate(record.outside):
+            if is_float(dtypes[k]):  # (integer arrays get no cotangent: None)
+                r = jnp.zeros(np.shape(values[i]), dtypes[k]) if result[i] is None else result[i]
+                result[i] = r if poison is None else r + poison.astype(r.dtype)
+        return tuple(result)
 
     f.defvjp(fwd, bwd)
     return f
