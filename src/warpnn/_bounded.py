@@ -45,6 +45,7 @@ from ._signature import kernel_array_uses
 from ._unrolled import MAX_UNROLL_ENV
 
 _PREFIX = "wnbound_"
+KEY_MARK = "__wnbounded_"  # a twin's key: its kernel's, this, a digest (the tracer strips it to name the kernel)
 _SAFE_CALLS = {"int", "float", "bool", "min", "max", "abs", "int32", "int64", "uint32", "clamp", "where"}
 
 
@@ -582,7 +583,7 @@ def _unrolled_twin(plan: _Plan, bounds: tuple[int, ...], limit: int):
         names = _call_twins(plan.kernel, fn, plan, twins, [])
         params = [p.label for p in kernel.adj.args]
         return _batched.twin_from_body(kernel, params, fn.body, f"warpnn_bounded_{digest}",
-                                       key=f"{kernel.key}__wnbounded_{digest}", options={"enable_backward": True},
+                                       key=f"{kernel.key}{KEY_MARK}{digest}", options={"enable_backward": True},
                                        module_options={"enable_backward": True, "max_unroll": limit}, names=names)
     except Exception:  # noqa: BLE001 - Warp cannot build the rewritten code: no twin, the refusal stands
         return None

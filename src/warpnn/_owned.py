@@ -43,6 +43,7 @@ from . import _warp_compat as wc
 from ._signature import kernel_array_uses
 
 _PREFIX = "wnowned_"
+KEY_MARK = "__owned_"  # a twin's key: its kernel's, this, the arrays proven (the tracer strips it to name the kernel)
 
 
 class _NoProof(Exception):
@@ -408,7 +409,7 @@ def with_elements_owned(kernel, owned: dict[str, str]):
 @functools.lru_cache(maxsize=256)
 def _with_elements_owned(kernel, owned: tuple[tuple[str, str], ...]):
     names = [n for n, _ in owned]
-    twin = _twins.twin_of(kernel, "warpnn_owned", key=f"{kernel.key}__owned_{'_'.join(names)}")
+    twin = _twins.twin_of(kernel, "warpnn_owned", key=f"{kernel.key}{KEY_MARK}{'_'.join(names)}")
     _access.share_codegen_facts(twin, kernel)  # (same function, source and options: Warp's facts are the same)
     _access.declare_elements_owned(twin, frozenset(names), frozenset(n for n, how in owned if how == "outputs"))
     return twin

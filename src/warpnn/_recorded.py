@@ -31,6 +31,7 @@ from . import _warp_compat as wc
 
 RECORD = "wnrec_slots"
 _PREFIX = "wnrec_"
+KEY_MARK = "__wnrecorded"  # a twin's key: its kernel's, then this (the tracer strips it to name the kernel)
 _ATOMICS = {"atomic_add", "atomic_sub", "atomic_min", "atomic_max", "atomic_and", "atomic_or", "atomic_xor",
             "atomic_exch", "atomic_cas"}
 
@@ -98,7 +99,7 @@ def _twin(kernel):
                    RECORD: wp.array(dtype=wp.int32, ndim=len(tid_names) + 1)}
     try:
         twin = _batched.twin_from_body(kernel, [*params, RECORD], fn.body, "warpnn_recorded", annotations=annotations,
-                                       key=f"{kernel.key}__wnrecorded")
+                                       key=f"{kernel.key}{KEY_MARK}")
     except Exception:  # noqa: BLE001 - Warp cannot build the rewritten code: no twin, the refusal stands
         return None
     return twin, sites

@@ -167,7 +167,10 @@ def _in_place_names(kernel, args, uses) -> list[str]:
 
 def _launched_key(kernel) -> str:
     """The key of the kernel the traced function launched, for a twin a launch-time proof made of it."""
-    return kernel.key.split("__wnbounded_")[0].split("__owned_")[0].split("__wnrecorded")[0]
+    key = kernel.key
+    for mark in (_bounded.KEY_MARK, _owned.KEY_MARK, _recorded.KEY_MARK):
+        key = key.split(mark)[0]
+    return key
 
 
 class WarpProgram:
@@ -557,12 +560,16 @@ class _Recorder:
     def touch(self, arr: wp.array, label: str):
         """Register ``arr`` and keep its pre-step value (before the operation that touches it runs)."""
         key = self.register(arr, label)
-        base = self.views.get(key, key)  # a view's value is its base array's
+        base = self._base(key)  # a view's value is its base array's
         if base not in self.snapshots:
             with self.suspended():
                 self.snapshots[base] = (self._objects[base].numpy().copy() if arr.size
                                         else np.zeros(self.arrays[base].shape, self.arrays[base].dtype))
         return key
+
+    def _base(self, key):
+        """The key whose value ``key``'s array holds: its own, or for a view the base array's."""
+        return self.views.get(key, key)
 
     @contextlib.contextmanager
     def suspended(self):
@@ -704,7 +711,7 @@ class _Recorder:
             twin = _owned.with_elements_owned(kernel, owned)
         else:
             return kernel, uses
-        keys = {self.views.get(k, k) for k in (self.register(a, "index array") for a in read)}
+        keys = {self._base(k) for k in (self.register(a, "index array") for a in read)}
         self.proofs.append((len(self.ops), frozenset(keys), kernel, twin, owned))
         return twin, kernel_array_uses(twin)
 
@@ -733,13 +740,13 @@ class _Recorder:
         if type(arr) is not wp.array or not arr.is_contiguous or not arr.ptr:
             return False
         key = self.register(arr, "index array")
-        key = self.views.get(key, key)
-        inputs = {self.views.get(k, k) for k in self.input_keys.values()}
+        key = self._base(key)
+        inputs = {self._base(k) for k in self.input_keys.values()}
         return key not in inputs and not any(key in self._written_by(op) for op in self.ops)
 
     def _written_by(self, op) -> set:
         """The arrays (their base arrays' keys) a recorded operation writes."""
-        return {self.views.get(k, k) for k in _written_keys(op)}
+        return {self._base(k) for k in _written_keys(op)}
 
     def settle_proofs(self) -> None:
         """Launch-time proofs (``_with_launch_proofs``) whose arrays a later operation wrote fall back to the
@@ -761,7 +768,7 @@ class _Recorder:
         for p, value in zip(kernel.adj.args, args):
             if isinstance(value, wp.array) and value.ptr and p.label in uses:
                 key = self.register(value, p.label)
-                by_memory.setdefault(self.views.get(key, key), []).append((p.label, key))
+                by_memory.setdefault(self._base(key), []).append((p.label, key))
         pairs = []
         for group in by_memory.values():
             if len(group) < 2 or not any(uses[name].writes for name, _ in group):
@@ -832,9 +839,6 @@ class _Recorder:
         self.stages.append(StageRecord(rule, start, len(self.ops), keys["reads"], keys["writes"], keys["context"],
                                        ignored=frozenset(k for _, k in keys["ignores"]), refusal=refusal))
         return result
-
-    def _base(self, key):
-        return self.views.get(key, key)
 
     def settle_stages(self) -> None:
         """Each stage's record with what its operations read and write (``_stage_rules.settle``)."""
