@@ -168,7 +168,219 @@ def _stage_rules(m) -> list:
                               "qfrc_constraint": d.qfrc_constraint, "efc.Ma": d.efc.Ma, "qacc": d.qacc,
                               "contact.friction": d.contact.friction},
     )
-    return [factor_solve, constraint_solve]
+    return [factor_solve, constraint_solve, _position_rule(m), *_contact_rules(m)]
+
+
+def _quat_integrate(q, omega, dt):
+    """mujoco_warp's ``math.quat_integrate`` (``q * exp(omega dt / 2)``, normalised; quaternions ``w, x, y, z``),
+    written so that its derivative at ``omega = 0`` is right: ``sin(t |omega| / 2) omega / |omega|`` as
+    ``omega t / 2 sinc(.)``, where mujoco_warp's ``normalize(omega)`` and ``length(omega)`` have a zero adjoint."""
+    squared = jnp.sum(omega * omega, axis=-1, keepdims=True)
+    nonzero = squared > 0
+    angle = jnp.where(nonzero, dt * jnp.sqrt(jnp.where(nonzero, squared, 1.0)), 0.0)
+    turn = jnp.concatenate([jnp.cos(angle / 2), omega * dt / 2 * jnp.sinc(angle / (2 * jnp.pi))], axis=-1)
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+    w1, v1, w2, v2 = q[..., :1], q[..., 1:], turn[..., :1], turn[..., 1:]
+    product = jnp.concatenate([w1 * w2 - jnp.sum(v1 * v2, -1, keepdims=True),
+                               w1 * v2 + w2 * v1 + jnp.cross(v1, v2)], axis=-1)
+    return product / jnp.linalg.norm(product, axis=-1, keepdims=True)
+
+
+def _position_rule(m):
+    """``forward._next_position`` by a rule: its Warp adjoint is zero at zero angular velocity.
+
+    mujoco_warp integrates a free or ball joint's quaternion with ``math.quat_integrate``, whose
+    ``wp.normalize(omega)`` and ``wp.length(omega)`` have zero adjoints at ``omega = 0`` (mujoco_warp's own comment:
+    "does that need proper zero gradient handling?"): a body at rest would get no gradient from its first step's
+    rotation (measured: 0 where ``mj_step``'s finite differences give 2.5e-3 per unit of angular velocity). The
+    rule is the same integration with the derivative right there (:func:`_quat_integrate`); hinge and slide joints
+    ``qpos + dt qvel``.
+    """
+    import numpy as np
+    from mujoco_warp._src import forward, types
+
+    jnt_type, qposadr, dofadr = (np.asarray(a.numpy()) for a in (m.jnt_type, m.jnt_qposadr, m.jnt_dofadr))
+    scalar = np.isin(jnt_type, (int(types.JointType.HINGE), int(types.JointType.SLIDE)))
+    free, ball = jnt_type == int(types.JointType.FREE), jnt_type == int(types.JointType.BALL)
+
+    def rule(before, after):
+        qpos, qvel = before["qpos_in"], before["qvel_in"] * after["qvel_scale_in"]
+        steps = before["opt_timestep"]
+        dt = steps[jnp.arange(qpos.shape[0]) % steps.shape[0]][:, None, None]
+        out = qpos.at[:, qposadr[scalar]].add(dt[:, 0] * qvel[:, dofadr[scalar]])
+        for which, offset in ((free, 3), (ball, 0)):
+            if which.any():
+                if offset:  # (a free joint's position)
+                    slots = qposadr[which][:, None] + np.arange(3)
+                    out = out.at[:, slots].add(dt * qvel[:, dofadr[which][:, None] + np.arange(3)])
+                quat = qposadr[which][:, None] + offset + np.arange(4)
+                omega = qvel[:, dofadr[which][:, None] + offset + np.arange(3)]
+                out = out.at[:, quat].set(_quat_integrate(qpos[:, quat], omega, dt))
+        return {"qpos_out": out}
+
+    return warpnn.StageRule(
+        forward, "_next_position", rule, per_launch=True,
+        reads=lambda opt_timestep, qpos_in, qvel_in, **_: {"opt_timestep": opt_timestep, "qpos_in": qpos_in,
+                                                           "qvel_in": qvel_in},
+        writes=lambda qpos_out, **_: {"qpos_out": qpos_out},
+    )
+
+
+def _make_frame(n):
+    """mujoco_warp's ``math.make_frame``: rows ``n``, then two unit vectors orthogonal to it (``(..., 3, 3)``)."""
+    a = n / jnp.linalg.norm(n, axis=-1, keepdims=True)
+    up = (-0.5 < a[..., 1]) & (a[..., 1] < 0.5)
+    b = jnp.where(up[..., None], jnp.array([0.0, 1.0, 0.0], a.dtype), jnp.array([0.0, 0.0, 1.0], a.dtype))
+    b = b - a * jnp.sum(a * b, axis=-1, keepdims=True)
+    b = b / jnp.linalg.norm(b, axis=-1, keepdims=True)
+    return jnp.stack([a, b, jnp.cross(a, b)], axis=-2)
+
+
+# the primitive collisions the narrowphase rule computes, by (type of geom 1, type of geom 2) of mujoco's mjtGeom
+_PLANE, _SPHERE, _BOX = 0, 2, 6
+_RULED_PAIRS = {(_PLANE, _SPHERE): "plane-sphere", (_PLANE, _BOX): "plane-box", (_SPHERE, _SPHERE): "sphere-sphere"}
+
+
+def _contact_rules(m) -> list:
+    """The collision stages, differentiated by rules (``warpnn.StageRule(per_launch=True)``).
+
+    * ``collision_primitive._primitive_narrowphase``: writes each contact at a slot ``wp.atomic_add`` hands out
+      (inside ``write_contact``), through a table of collision functions, which no per-kernel adjoint gets right.
+      Rule: the contact's distance, position and frame recomputed in JAX from ``geom_xpos`` / ``geom_xmat`` (and
+      ``geom_size``) for the pair and the collision id the launch left in each written slot (the box's corner),
+      as mujoco_warp's ``plane_sphere``, ``plane_box`` and ``sphere_sphere`` compute them; friction from
+      ``geom_friction``; the other contact parameters are functions of model constants (their values as
+      written). Other primitive pairs, or explicit ``<pair>`` contacts, make the rule refuse, naming them.
+    * ``constraint._efc_contact_jac_dense``: the contact rows of the dense constraint Jacobian (a tile kernel:
+      ``wp.tile_reduce`` has no adjoint). Rule: each row from ``cdof``, ``subtree_com``, the contact's position,
+      frame and friction (pyramidal cones), and ``efc.Jqvel`` += ``J qvel``, as the kernel computes them.
+
+    The broadphase writes integers only (pair lists): no cotangent reaches it.
+    """
+    import numpy as np
+    from mujoco_warp._src import collision_primitive, constraint, types
+    from mujoco_warp._src.math import upper_trid_index
+
+    geom_type = np.asarray(m.geom_type.numpy())
+    geom_priority = np.asarray(m.geom_priority.numpy())
+    geom_bodyid = np.asarray(m.geom_bodyid.numpy())
+    body_rootid = np.asarray(m.body_rootid.numpy())
+    isdofancestor = np.asarray(m.body_isdofancestor.numpy())[:, : m.nv]
+    ntypes = len(types.GeomType)
+    present = [(t1, t2) for t1 in range(ntypes) for t2 in range(t1, ntypes)
+               if (t1, t2) in {(int(a), int(b)) for a, b in collision_primitive._PRIMITIVE_COLLISIONS}
+               and m.geom_pair_type_count[upper_trid_index(ntypes, t1, t2)]]
+    unruled = [f"{types.GeomType(t1).name.lower()}-{types.GeomType(t2).name.lower()}" for t1, t2 in present
+               if (t1, t2) not in _RULED_PAIRS]
+    unsupported = (f"explicit contact pairs (<pair>: {m.npair})" if m.npair else
+                   f"the primitive collisions {unruled}" if unruled else None)
+    contact_floats = ("contact_dist_out", "contact_pos_out", "contact_frame_out", "contact_includemargin_out",
+                      "contact_friction_out", "contact_solref_out", "contact_solreffriction_out",
+                      "contact_solimp_out", "contact_adhesion_out")
+
+    def narrowphase_rule(before, after):
+        if unsupported is not None:
+            raise NotImplementedError(f"collision narrowphase: the rule computes {sorted(_RULED_PAIRS.values())} "
+                                      f"contacts; this model has {unsupported}")
+        slot = jnp.arange(after["contact_dist_out"].shape[0])
+        written = (slot >= before["nacon_out"][0]) & (slot < after["nacon_out"][0])
+        pairs = jnp.clip(after["contact_geom_out"], 0, geom_type.size - 1)
+        world = jnp.clip(after["contact_worldid_out"], 0, before["geom_xpos_in"].shape[0] - 1)
+        g1, g2 = pairs[:, 0], pairs[:, 1]
+        xpos, xmat = before["geom_xpos_in"], before["geom_xmat_in"]
+        size = before["geom_size"][world % before["geom_size"].shape[0]]
+        p1, p2, rot2 = xpos[world, g1], xpos[world, g2], xmat[world, g2]
+        normal = xmat[world, g1][:, :, 2]  # (a plane's z axis)
+        r1, r2 = size[slot, g1][:, 0], size[slot, g2][:, 0]
+        # plane-sphere
+        sphere_dist = jnp.sum((p2 - p1) * normal, -1) - r2
+        sphere_pos = p2 - normal * (r2 + 0.5 * sphere_dist)[:, None]
+        # plane-box: the corner the collision id names (bit k: + or - half-size along the box's axis k)
+        bits = (after["contact_geomcollisionid_out"][:, None] >> jnp.arange(3)) & 1
+        corner = jnp.einsum("cij,cj->ci", rot2, jnp.where(bits == 1, 1.0, -1.0) * size[slot, g2])
+        box_dist = jnp.sum((p2 - p1) * normal, -1) + jnp.sum(normal * corner, -1)
+        box_pos = corner + p2 - 0.5 * normal * box_dist[:, None]
+        # sphere-sphere
+        gap = p2 - p1
+        length = jnp.linalg.norm(gap, axis=-1)
+        between = jnp.where((length == 0)[:, None], jnp.array([1.0, 0.0, 0.0], gap.dtype),
+                            gap / jnp.where(length == 0, 1.0, length)[:, None])
+        balls_dist = length - (r1 + r2)
+        balls_pos = p1 + between * (r1 + 0.5 * balls_dist)[:, None]
+        kind = jnp.asarray(geom_type)[g1] * ntypes + jnp.asarray(geom_type)[g2]
+        box, balls = kind == _PLANE * ntypes + _BOX, kind == _SPHERE * ntypes + _SPHERE
+        dist = jnp.where(box, box_dist, jnp.where(balls, balls_dist, sphere_dist))
+        pos = jnp.where(box[:, None], box_pos, jnp.where(balls[:, None], balls_pos, sphere_pos))
+        frame = _make_frame(jnp.where(balls[:, None], between, normal))
+        friction_of = before["geom_friction"][world % before["geom_friction"].shape[0]]
+        f1, f2 = friction_of[slot, g1], friction_of[slot, g2]
+        q1, q2 = jnp.asarray(geom_priority)[g1][:, None], jnp.asarray(geom_priority)[g2][:, None]
+        mixed = jnp.where(q1 > q2, f1, jnp.where(q2 > q1, f2, jnp.maximum(f1, f2)))
+        friction = mixed[:, jnp.array([0, 0, 1, 2, 2])]
+        computed = {"contact_dist_out": dist, "contact_pos_out": pos, "contact_frame_out": frame,
+                    "contact_friction_out": friction}
+        out = {}
+        for name in contact_floats:  # (the rest: functions of model constants, as the launch wrote them)
+            value = computed.get(name, after[name])
+            mask = written.reshape(written.shape + (1,) * (value.ndim - 1))
+            out[name] = jnp.where(mask, value, before[name])
+        return out
+
+    def jacobian_rule(before, after):
+        nv = m.nv
+        J, Jqvel = before["efc_J_out"], before["efc_Jqvel_out"]
+        rows = jnp.arange(J.shape[1])[None, :]
+        first = (after["ne_in"] + after["nf_in"] + after["nl_in"])[:, None]
+        contact_row = (rows >= first) & (rows < jnp.minimum(after["nefc_in"], J.shape[1])[:, None])
+        con = jnp.clip(after["efc_id_in"], 0, after["condim_in"].shape[0] - 1)  # (world, row)
+        world = jnp.arange(J.shape[0])[:, None]
+        geoms = after["geom_in"][con]
+        cdof = before["cdof_in"][:, :nv]  # (world, dof, 6): angular, then linear
+        pos = before["pos_in"][con]
+
+        def point_jacobian(geom):
+            body = jnp.asarray(geom_bodyid)[geom]
+            offset = pos - before["subtree_com_in"][world, jnp.asarray(body_rootid)[body]]
+            affects = jnp.asarray(isdofancestor)[body][..., None]  # (world, row, dof, 1)
+            ang = jnp.broadcast_to(cdof[:, None, :, :3], affects.shape[:-1] + (3,))
+            lin = cdof[:, None, :, 3:] + jnp.cross(ang, offset[:, :, None, :])
+            return affects * lin, affects * ang
+
+        jp1, jr1 = point_jacobian(geoms[..., 0])
+        jp2, jr2 = point_jacobian(geoms[..., 1])
+        frame = before["frame_in"][con]  # (world, row, 3 axes, 3)
+        along_p = jnp.einsum("wrdk,wrak->wrad", jp2 - jp1, frame)  # (world, row, axis, dof)
+        along_r = jnp.einsum("wrdk,wrak->wrad", jr2 - jr1, frame)
+        directions = jnp.concatenate([along_p[:, :, 1:], along_r], axis=2)  # tangent 1, 2, then spin, rolling
+        condim = after["condim_in"][con]
+        dimid = rows - after["contact_efc_address_in"][con, 0]
+        which = jnp.clip(dimid // 2, 0, 4)
+        friction = jnp.take_along_axis(before["friction_in"][con], which[..., None], axis=-1)[..., 0]
+        sign = friction * (1.0 - 2.0 * (dimid & 1))
+        side = jnp.take_along_axis(directions, which[..., None, None], axis=2)[:, :, 0]
+        row = along_p[:, :, 0] + jnp.where((condim > 1)[..., None], sign[..., None] * side, 0.0)
+        row = jnp.pad(row, ((0, 0), (0, 0), (0, J.shape[2] - nv)))
+        return {"efc_J_out": jnp.where(contact_row[..., None], row, J),
+                "efc_Jqvel_out": jnp.where(contact_row, Jqvel + jnp.einsum("wrd,wd->wr", row[..., :nv],
+                                                                            before["qvel_in"][:, :nv]), Jqvel)}
+
+    narrowphase = warpnn.StageRule(
+        collision_primitive, "_primitive_narrowphase", narrowphase_rule, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in ("geom_xpos_in", "geom_xmat_in", "geom_size", "geom_friction",
+                                              "nacon_out", *contact_floats)},
+        writes=lambda **a: {n: a[n] for n in contact_floats},
+        context=lambda **a: {n: a[n] for n in ("contact_geom_out", "contact_worldid_out",
+                                                "contact_geomcollisionid_out", "nacon_out")},
+    )
+    jacobian = warpnn.StageRule(
+        constraint, "_efc_contact_jac_dense", jacobian_rule, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in ("cdof_in", "subtree_com_in", "pos_in", "frame_in", "friction_in",
+                                              "qvel_in", "efc_J_out", "efc_Jqvel_out")},
+        writes=lambda **a: {n: a[n] for n in ("efc_J_out", "efc_Jqvel_out")},
+        context=lambda **a: {n: a[n] for n in ("ne_in", "nf_in", "nl_in", "nefc_in", "efc_id_in", "condim_in",
+                                                "geom_in", "contact_efc_address_in")},
+    )
+    return [narrowphase, jacobian]
 
 
 def _load(model):

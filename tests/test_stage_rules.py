@@ -4,6 +4,7 @@ The stage here is a Gauss-Seidel solve of ``A x = b``: one kernel sweeping ``x``
 (refused per kernel: Warp's adjoint would replay against the old ``x``). Its rule is the solve; gradients are
 checked against pure JAX (``jnp.linalg.solve``), the forward against Warp running the same function."""
 
+import dataclasses
 import sys
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 import warp as wp
 
 import warpnn
+from warpnn._stage_rules import launch_matcher
 
 from .helpers import assert_close
 
@@ -186,3 +188,47 @@ def test_a_rule_on_a_class_method_differentiates_and_leaves_the_class_as_it_was(
     assert program.reverse_refusals() == {}
     grad = jax.grad(lambda b: jnp.sum(program({"A": A, "b": b})["x"]))(b)
     assert_close(grad, jax.grad(lambda b: jnp.sum(jnp.linalg.solve(A, b)))(b), rtol=1e-4, atol=1e-5)
+
+
+def test_a_per_launch_rule_differentiates_each_launch_of_its_kernel():
+    """``per_launch=True``: the stage is a launch, wherever it is made (here inside ``solve``, after ``x.zero_()``);
+    the rule's parts take the launch's arguments by the kernel's parameter names, the rule its scalars."""
+    sweeps = []
+
+    def seeing_scalars(before, after):
+        sweeps.append(int(after["sweeps"]))
+        return solve_rule(before, after)
+
+    stage = warpnn.StageRule(THIS, "gauss_seidel", seeing_scalars, per_launch=True,
+                             reads=lambda A, b, **_: {"A": A, "b": b}, writes=lambda x, **_: {"x": x},
+                             ignores=lambda x, **_: {"x": x})  # (zeroed before the launch)
+    program, A, b = traced([stage], with_residual=True)
+    assert program.reverse_refusals() == {}
+    assert "stage tests.test_stage_rules.gauss_seidel" in program.describe()
+    grad = jax.grad(lambda A: jnp.sum(program({"A": A, "b": b})["x"]))(A)
+    assert_close(grad, jax.grad(lambda A: jnp.sum(jnp.linalg.solve(2 * A, b)))(A), rtol=1e-4, atol=1e-5)
+    assert sweeps and set(sweeps) == {60}  # (when traced, and in the backward)
+    # the residual is written by the launch and not computed by the rule: its cotangent poisons, never vanishes
+    assert np.isnan(np.asarray(jax.grad(lambda A: jnp.sum(program({"A": A, "b": b})["residual"]))(A))).all()
+    # without declaring x (read after the zero_ that the program computes), the rule is refused
+    undeclared = dataclasses.replace(stage, ignores=lambda **_: {})
+    assert "'x'" in traced([undeclared])[0].reverse_refusals()["tests.test_stage_rules.gauss_seidel"]
+
+
+def make_kernel(scale_by: float):
+    """A kernel factory, as mujoco_warp builds kernels per model option."""
+    @wp.kernel(module="unique")
+    def kernel(a: wp.array(dtype=float), out: wp.array(dtype=float)):
+        i = wp.tid()
+        out[i] = a[i] * scale_by
+
+    return kernel
+
+
+def test_a_per_launch_rule_on_a_factory_matches_the_kernels_it_makes_and_no_others():
+    matches = launch_matcher(warpnn.StageRule(THIS, "make_kernel", solve_rule, reads=dict, writes=dict,
+                                              per_launch=True))
+    assert matches(make_kernel(2.0)) and matches(make_kernel(3.0))
+    assert not matches(scale) and not matches(gauss_seidel)
+    with pytest.raises(TypeError, match="neither a Warp kernel nor a function"):
+        launch_matcher(warpnn.StageRule(THIS, "N", solve_rule, reads=dict, writes=dict, per_launch=True))

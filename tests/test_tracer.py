@@ -599,3 +599,42 @@ def test_slots_taken_with_an_atomic_are_recorded_for_the_adjoint():
 
     grad = jax.jit(jax.grad(lambda x: (weights * program({"x": x})["out"]).sum()))(jnp.asarray(x_np))
     assert_close(grad, jax.grad(reference)(jnp.asarray(x_np)), rtol=1e-5)
+
+
+@wp.kernel
+def list_positive(x: wp.array(dtype=float), count: wp.array(dtype=int), ids: wp.array(dtype=int)):
+    # writes integers only, at slots an atomic hands out (mujoco_warp's broadphase lists geom pairs so)
+    i = wp.tid()
+    if x[i] > 0.0:
+        ids[wp.atomic_add(count, 0, 1)] = i
+
+
+@wp.kernel
+def gather_listed(x: wp.array(dtype=float), count: wp.array(dtype=int), ids: wp.array(dtype=int),
+                  y: wp.array(dtype=float)):
+    j = wp.tid()
+    y[j] = wp.where(j < count[0], 3.0 * x[ids[j]] * x[ids[j]], 0.0)
+
+
+def test_a_launch_that_writes_only_integers_needs_no_adjoint():
+    """No cotangent reaches an integer array: the VJP of such a launch is zero whatever its adjoint would do, so
+    the atomic slot it uses is no reason to refuse it; the gradient flows through the launch that reads the list."""
+    x_np = np.array([0.5, -1.0, 1.5, 2.0], np.float32)
+    x, count, ids, y = wp.array(x_np), wp.zeros(1, dtype=int), wp.zeros(4, dtype=int), wp.zeros(4, dtype=float)
+
+    def step():
+        wp.launch(list_positive, 4, [x, count, ids])
+        wp.launch(gather_listed, 4, [x, count, ids], [y])
+
+    program = warpnn.trace(step, {"x": x}, {"y": y})
+    assert program.reverse_refusals() == {}
+    weights = jnp.asarray([1.0, 10.0, 100.0, 1000.0])
+    listed = np.asarray(program({"x": jnp.asarray(x_np)})["y"])[:3]
+    order = [int(np.argmin(np.abs(3.0 * x_np * x_np - v))) for v in listed]  # (the atomic's order: any)
+    assert sorted(order) == [0, 2, 3]
+
+    def reference(x):
+        return (weights[:3] * 3.0 * x[jnp.asarray(order)] ** 2).sum()
+
+    grad = jax.jit(jax.grad(lambda x: (weights * program({"x": x})["y"]).sum()))(jnp.asarray(x_np))
+    assert_close(grad, jax.grad(reference)(jnp.asarray(x_np)), rtol=1e-5)

@@ -64,6 +64,12 @@ class StageRule:
             cotangent is zero): warm starts of a converged solve, buffers the stage overwrites before using.
         rtol: how closely the rule must reproduce the launches when traced, relative to each array's largest
             magnitude (at least 1).
+        per_launch: ``owner.name`` is a Warp kernel, or a function that makes kernels (a kernel factory such as
+            mujoco_warp's ``@cache_kernel`` functions), and each launch of such a kernel is one stage: for a
+            launch made inside a larger function (mujoco_warp's contact Jacobian inside ``make_constraint``).
+            ``reads``, ``writes``, ``context`` and ``ignores`` are then called with the launch's arguments as
+            keywords, by the kernel's parameter names (``reads=lambda cdof_in, qvel_in, **_: {...}``), and
+            ``rule``'s ``after`` also holds the launch's scalar arguments by name.
 
     The gradient is the rule's, exactly: warpnn checks its values, not its derivative. A rule that returns ``after``
     values unchanged has zero derivative; one that leaves out a dependence (a parameter of the solve) drops it.
@@ -78,11 +84,29 @@ class StageRule:
     context: Callable[..., Mapping[str, Any]] = _no_arrays
     ignores: Callable[..., Mapping[str, Any]] = _no_arrays
     rtol: float = 1e-3
+    per_launch: bool = False
 
     @property
     def key(self) -> str:
         """How refusals and ``describe()`` name the stage: ``module.function``."""
         return f"{getattr(self.owner, '__name__', type(self.owner).__name__)}.{self.name}"
+
+
+def launch_matcher(rule: StageRule) -> Callable[[Any], bool]:
+    """For a ``per_launch`` rule: whether a launched ``wp.Kernel`` is ``owner.name`` or was made by it."""
+    import inspect
+
+    import warp as wp
+
+    target = getattr(rule.owner, rule.name, None)
+    if isinstance(target, wp.Kernel):
+        return lambda kernel: kernel.func is target.func
+    if not callable(target):
+        raise TypeError(f"warpnn.trace: StageRule names {rule.key}, which is neither a Warp kernel nor a function "
+                        f"that makes kernels (per_launch=True).")
+    factory = inspect.unwrap(target)
+    module, inner = factory.__module__, f"{factory.__qualname__}.<locals>."
+    return lambda kernel: kernel.func.__module__ == module and kernel.func.__qualname__.startswith(inner)
 
 
 def check(rule: StageRule, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray],
@@ -135,6 +159,8 @@ class StageRecord:
     zero_cotangent: tuple[Any, ...] = ()
     nan_cotangent: tuple[Any, ...] = ()
     refusal: str | None = None
+    names: tuple[tuple[Any, str], ...] = ()  # (key, parameter name) of a per-launch stage's arrays
+    scalars: tuple[tuple[str, Any], ...] = ()  # a per-launch stage's scalar arguments, by parameter name
 
 
 def settle(record: StageRecord, read_keys, written_keys, inputs, written_before, dtypes, labels) -> StageRecord:
@@ -183,6 +209,7 @@ def stage_function(record: StageRecord, replay: Callable[[dict], dict], dtypes) 
         now = dict(zip(record.outside, values))
         now.update(zip(record.written, outs))
         after = {n: jax.lax.stop_gradient(now[k]) for n, k in (*record.writes, *record.context)}
+        after.update((n, jnp.asarray(v)) for n, v in record.scalars)
         before = {n: values[position[k]] for n, k in record.reads}
         _, vjp = jax.vjp(lambda b: dict(record.rule.rule(b, after)), before)
         ct = dict(zip(record.written, cotangents))

@@ -315,6 +315,8 @@ class WarpProgram:
             if not isinstance(op, _Launch) or _launched_key(op.kernel) in refused or i in ruled:
                 continue
             sig = signature_of(op.kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
+            if not sig.float_results:  # (it writes integers only: no cotangent reaches it, the bridge's VJP is zero)
+                continue
             names = [spec.name for spec in sig.inputs]
             scalars = {n: v for n, (kind, v) in zip(names, op.inputs) if kind == "scalar"}
             shapes = {n: self._arrays[v].shape for n, (kind, v) in zip(names, op.inputs) if kind == "array"}
@@ -508,6 +510,7 @@ class _Recorder:
         self.inputs_given = list(input_arrays.values())
         self.stages: list[StageRecord] = []  # traced calls of StageRules' functions (_stage_rules.py)
         self.stage_open = False
+        self.launch_rules: list[tuple[Callable[[Any], bool], StageRule]] = []  # per_launch StageRules, matched
         for name, arr in input_arrays.items():
             if not isinstance(arr, wp.array):
                 raise TypeError(
@@ -817,6 +820,12 @@ class _Recorder:
         d, s = self.touch(dest, "cloned array"), self.touch(src, "clone source")
         self.ops.append(_Set(d, s))
 
+    def launch_rule(self, kernel) -> StageRule | None:
+        """The per-launch StageRule whose kernel this is, if any (a launch inside another stage is part of it)."""
+        if self.stage_open or not isinstance(kernel, wp.Kernel):
+            return None
+        return next((rule for matches, rule in self.launch_rules if matches(kernel)), None)
+
     def stage_call(self, rule: StageRule, original, args, kwargs):
         """Run a StageRule's function, recording its operations as one stage and checking its rule against them."""
         if self.stage_open:  # (a call inside another stage is part of it)
@@ -835,9 +844,15 @@ class _Recorder:
         with self.suspended():
             wp.synchronize()
             after = {n: a.numpy().copy() for n, a in (*named["writes"].items(), *named["context"].items())}
+        # a per-launch rule sees the launch's scalar arguments in ``after``; its refusals name arrays by parameter
+        scalars = tuple((n, v) for n, v in kwargs.items() if rule.per_launch and _is_scalar_argument(v))
+        after.update(scalars)
         refusal = _stage_rules.check(rule, before, after, list(named["writes"]))
+        names = tuple((self._base(self.touch(a, n)), n) for n, a in kwargs.items() if rule.per_launch
+                      and isinstance(a, wp.array))
         self.stages.append(StageRecord(rule, start, len(self.ops), keys["reads"], keys["writes"], keys["context"],
-                                       ignored=frozenset(k for _, k in keys["ignores"]), refusal=refusal))
+                                       ignored=frozenset(k for _, k in keys["ignores"]), refusal=refusal,
+                                       names=names, scalars=scalars))
         return result
 
     def settle_stages(self) -> None:
@@ -851,7 +866,8 @@ class _Recorder:
                 read += [b for k in _read_keys(op) if (b := self._base(k)) not in written and b not in read]
                 written += [b for k in _written_keys(op) if (b := self._base(k)) not in written]
             written_before = set().union(*(self._written_by(op) for op in self.ops[:record.start]))
-            self.stages[i] = _stage_rules.settle(record, read, written, inputs, written_before, dtypes, labels)
+            self.stages[i] = _stage_rules.settle(record, read, written, inputs, written_before, dtypes,
+                                                 {**labels, **dict(record.names)})
 
     # -- end -----------------------------------------------------------------------------------
 
@@ -942,9 +958,18 @@ def _hooked_launch(*args, **kwargs):
         if a["adj_inputs"] or a["adj_outputs"]:
             raise TypeError(UNSUPPORTED_OP_MESSAGE.format(
                 what=f"wp.launch of kernel '{getattr(a['kernel'], 'key', a['kernel'])}' with adjoint arrays"))
-        rec.launch(a["kernel"], a["dim"], a["inputs"], a["outputs"], a["adjoint"], a["block_dim"])
-        with rec.suspended():
-            return _ORIGINAL["launch"](*args, **kwargs)
+
+        def record_and_run(**_):
+            rec.launch(a["kernel"], a["dim"], a["inputs"], a["outputs"], a["adjoint"], a["block_dim"])
+            with rec.suspended():
+                return _ORIGINAL["launch"](*args, **kwargs)
+
+        rule = rec.launch_rule(a["kernel"])
+        if rule is None:
+            return record_and_run()
+        # a per-launch StageRule: this launch is its stage; its parts see the arguments by parameter name
+        named = dict(zip((arg.label for arg in a["kernel"].adj.args), [*a["inputs"], *a["outputs"]]))
+        return rec.stage_call(rule, record_and_run, (), named)
     return _ORIGINAL["launch"](*args, **kwargs)
 
 
@@ -1028,6 +1053,11 @@ def _refused_targets():
     return [(o, a, m) for o, a, m in targets if hasattr(o, a)]
 
 
+def _is_scalar_argument(value) -> bool:
+    """A kernel argument a per-launch rule sees as a value: a number, or a Warp vector or matrix of numbers."""
+    return isinstance(value, (bool, int, float, np.number)) or hasattr(value, "_wp_scalar_type_")
+
+
 def _stage_hook(rule: StageRule, original):
     @functools.wraps(original)
     def call(*args, **kwargs):
@@ -1053,7 +1083,8 @@ def _hooks(rec: _Recorder, rules: tuple[StageRule, ...] = ()):
         name = f"{getattr(owner, '__name__', owner)}.{attr}"
         _ORIGINAL.setdefault(name, getattr(owner, attr))
         patches.append((owner, attr, _refusal_named(name, message)))
-    for rule in rules:
+    rec.launch_rules = [(_stage_rules.launch_matcher(rule), rule) for rule in rules if rule.per_launch]
+    for rule in (rule for rule in rules if not rule.per_launch):
         if not callable(getattr(rule.owner, rule.name, None)):
             raise TypeError(f"warpnn.trace: StageRule names {rule.key}, which is not a function of {rule.owner!r}.")
         hook = _stage_hook(rule, getattr(rule.owner, rule.name))
