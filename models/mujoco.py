@@ -24,13 +24,15 @@ The pytrees are dicts of JAX arrays with mujoco_warp's shapes (``qpos``: ``(nwor
 What is checked (``tests/test_models_mujoco.py``): forward under ``jit`` / ``lax.scan`` / ``vmap`` against
 ``mujoco_warp.step`` run directly (bit-equal on an arm and a cart-pole hitting a joint limit) and against
 ``mujoco.mj_step`` (<= 3.5e-6), and a free box landing on a plane (contacts and the constraint solver); reverse mode
-through 1, 10 and 100 steps of the arm against central differences of ``mj_step`` (<= 2e-6) and through the
-cart-pole's active limit (5e-5). mujoco_warp's inertia solve and constraint solver are differentiated by rules
-(:func:`_stage_rules`, ``warpnn.StageRule``: the solve, and the solver's optimality conditions at its solution);
-the other kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with
-tree walks, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with the
-reason (``reverse_refusals()``): contacts (the collision stages), tree walks over branches that share bodies, a
-sparse constraint Jacobian or elliptic cones in the solver's rule. See ``docs/mujoco.md``.
+through 1, 10 and 100 steps of the arm and of a box sliding on a plane against central differences of ``mj_step``
+(<= 2e-6) and through the cart-pole's active limit (5e-5). Stages no per-kernel adjoint gets right are
+differentiated by rules (:func:`_stage_rules`, ``warpnn.StageRule``): the inertia solve, the constraint solver (its
+optimality conditions at the solution), the primitive narrowphase and the contact Jacobian (recomputed in JAX), the
+position update (its quaternion integration, right at zero angular velocity); the other kernels through their
+adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks, in-place updates and
+loops bounded by the model proven when the step is traced. Refused today, with the reason (``reverse_refusals()``):
+collision pairs other than plane-sphere, plane-box and sphere-sphere, tree walks over branches that share bodies,
+a sparse constraint Jacobian or elliptic cones. See ``docs/mujoco.md``.
 
 Example::
 
@@ -327,6 +329,8 @@ def _contact_rules(m) -> list:
         return out
 
     def jacobian_rule(before, after):
+        if m.opt.cone == types.ConeType.ELLIPTIC:
+            raise NotImplementedError("the contact Jacobian's rule covers pyramidal cones; this model has elliptic ones")
         nv = m.nv
         J, Jqvel = before["efc_J_out"], before["efc_Jqvel_out"]
         rows = jnp.arange(J.shape[1])[None, :]
