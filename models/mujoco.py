@@ -4,10 +4,9 @@
 Python that launches Warp kernels on a ``mujoco_warp.Data``. :class:`MujocoStep` records one
 ``mujoco_warp.step(m, d)`` with :func:`warpnn.trace` and replays it as JAX operations: a rollout is a
 ``lax.scan`` (:func:`rollout`), ``jax.vmap`` batches initial states, and XLA compiles the whole step with no
-Python per step. ``mujoco_warp`` runs unmodified, with one setting of the step's own Model changed:
-``m.opt.graph_conditional`` is ``False`` (the solver's ``wp.capture_while`` reads its loop count from a device
-array, which a replay cannot reproduce: the solver then runs ``opt.iterations`` iterations, each stopping early
-on convergence inside its kernels).
+Python per step. ``mujoco_warp`` runs unmodified: the constraint solver's ``wp.capture_while`` (iterate while some
+world has not converged) is replayed as a ``lax.while_loop`` over one recorded iteration, so a step runs as many
+solver iterations as it needs, as mujoco_warp's own CUDA graph does.
 
 The pytrees are dicts of JAX arrays with mujoco_warp's shapes (``qpos``: ``(nworld, nq)``, ``time``:
 ``(nworld,)``; ``nworld=1`` unless given):
@@ -460,8 +459,6 @@ class MujocoStep:
                 mujoco.mj_copyData(data, self.mjm, given)
             mujoco.mj_forward(self.mjm, data)
         self.m = mjw.put_model(self.mjm)
-        # capture_while reads the solver's loop count from a device array: a replay needs a fixed loop
-        self.m.opt.graph_conditional = False
         self.d = mjw.put_data(self.mjm, data, nworld=nworld, nconmax=nconmax, njmax=njmax)
         self._rules = _stage_rules(self.m)
         self.nworld = nworld

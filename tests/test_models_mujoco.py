@@ -94,7 +94,6 @@ def arm_controls(steps=T):
 def mujoco_warp_loop(mjm, mjd, ctrls=None, steps=T):
     """mujoco_warp run directly (Python launches every kernel): qpos, qvel after each step."""
     m = mjw.put_model(mjm)
-    m.opt.graph_conditional = False
     d = mjw.put_data(mjm, mjd, nworld=1)
     qpos, qvel = [], []
     for k in range(steps):
@@ -218,7 +217,6 @@ def test_worlds_step_together_as_in_mujoco_warp(arm):
     final, traj = jax.jit(lambda s, c: rollout(step, s, {"ctrl": c}))({**state, "qvel": jnp.asarray(qvel)}, ctrls)
 
     m = mjw.put_model(mjm)
-    m.opt.graph_conditional = False
     d = mjw.put_data(mjm, mjd, nworld=3)
     d.qvel.assign(qvel)
     for k in range(20):
@@ -295,6 +293,7 @@ def test_arm_has_no_refused_kernel_and_differentiates_its_stages_by_rules(arm):
     described = step.program.describe()
     assert "stage mujoco_warp._src.smooth.factor_solve_i" in described
     assert "stage mujoco_warp._src.solver.solve" in described
+    assert "(wp.capture_while; operations" in described  # the solver's iterations: a lax.while_loop
 
 
 @pytest.mark.parametrize("steps", [1, 10, 100])

@@ -71,6 +71,20 @@ CONTROL_FLOW_MESSAGE = (
     "programs), or turn the data-dependent control flow off in the library that issues it (for mujoco_warp, "
     "a fixed iteration count)."
 )
+LOOP_BODY_MESSAGE = (
+    "warpnn.trace: iteration {iteration} of a wp.capture_while recorded other operations than its first (other "
+    "kernels, arguments or shapes). The replay runs one body as a lax.while_loop. Fix: make the loop body launch "
+    "the same operations every iteration (as a CUDA graph needs), or trace with the library's fixed-count loop."
+)
+LOOP_UNRUN_MESSAGE = (
+    "warpnn.trace: a wp.capture_while's condition was 0 when traced, so its body never ran and nothing of it was "
+    "recorded; a replay could not run it for other inputs. Fix: trace from a state where the loop runs at least once."
+)
+LOOP_REVERSE_MESSAGE = (
+    "a wp.capture_while loop (replayed as a lax.while_loop, whose trip count depends on values) has no reverse mode "
+    "in JAX. Fix: differentiate the function that runs it by a warpnn.StageRule (its result's conditions), or trace "
+    "with a fixed iteration count"
+)
 PYTHON_STATE_MESSAGE = (
     "warpnn.trace: the traced function changed Python state it closes over: {changes}. The replay runs only the "
     "recorded launches, so every replayed step would behave as the traced one did (a step counter, a cached "
@@ -159,6 +173,19 @@ class _Set:
     src: Any  # another array's key (clone, assign of an array)
 
 
+@dataclasses.dataclass(frozen=True)
+class _LoopRecord:
+    """A ``wp.capture_while``: operations ``start:end`` (its body, recorded on its first iteration) run while the
+    first element of ``condition`` is not 0, as a ``lax.while_loop``. ``written``: the base keys its body writes
+    (the loop's carry)."""
+
+    start: int
+    end: int
+    condition: Any
+    written: tuple[Any, ...]
+    iterations: int  # (when traced)
+
+
 def _in_place_names(kernel, args, uses) -> list[str]:
     """The arrays a launch of ``kernel`` with ``args`` reads and writes where Warp's adjoint cannot (yet) follow."""
     return [p.label for p, a in zip(kernel.adj.args, args)
@@ -180,9 +207,10 @@ class WarpProgram:
     Warp arrays' shapes (a ``wp.array(dtype=wp.vec3)`` of length n is an ``(n, 3)`` array).
     """
 
-    def __init__(self, ops, arrays, constants, input_keys, output_keys, views=None, stages=()):
+    def __init__(self, ops, arrays, constants, input_keys, output_keys, views=None, stages=(), loops=()):
         self._ops = tuple(ops)
         self._stages: dict[int, StageRecord] = {s.start: s for s in stages if s.end > s.start}  # by first op
+        self._loops: dict[int, _LoopRecord] = {loop.start: loop for loop in loops}  # by first op
         self._views: dict[Any, Any] = dict(views or {})  # array key -> the key whose value it reshapes
         self._platform: str | None = None  # where the traced launches ran (set by trace)
         self._arrays: dict[Any, _ArrayInfo] = arrays
@@ -230,6 +258,10 @@ class WarpProgram:
                 stage = self._stages[i]
                 lines.append(f"stage {stage.rule.key} (operations {stage.start}-{stage.end - 1}: reverse mode by its "
                              f"rule{'' if stage.refusal is None else ', refused'}):")
+            if i in self._loops:
+                loop = self._loops[i]
+                lines.append(f"while {label(loop.condition)}[0] != 0 (wp.capture_while; operations {loop.start}-"
+                             f"{loop.end - 1}, {loop.iterations} iterations when traced):")
             if isinstance(op, _Launch):
                 outs = ", ".join(f"{p} {'updated' if p in op.in_out_names else '='}" for _, p in op.results)
                 lines.append(f"launch {op.kernel.key} dims {op.dims}: {outs}")
@@ -308,6 +340,9 @@ class WarpProgram:
         launches is refused."""
         refused: dict[str, str] = {}
         ruled = {i for stage in self._stages.values() for i in range(stage.start, stage.end)}
+        for loop in self._loops.values():
+            if loop.start not in ruled:
+                refused[f"wp.capture_while (operations {loop.start}-{loop.end - 1})"] = LOOP_REVERSE_MESSAGE
         for i, op in enumerate(self._ops):
             stage_refusal = self._stages[i].refusal if i in self._stages else None
             if stage_refusal is not None:
@@ -361,19 +396,52 @@ class WarpProgram:
                 )
             env[key] = jnp.asarray(value)
 
+        self._run_ops(env, 0, len(self._ops), on_launch)
+        get, _ = self._accessors(env)
+        return {name: get(key) for name, key in self._output_keys.items()}
+
+    def _run_ops(self, env: dict, start: int, end: int, on_launch=None, region=None) -> None:
+        """Replay operations ``start:end`` over ``env``: a stage as its ``custom_vjp`` function, a loop as a
+        ``lax.while_loop`` (``region``: the stage or loop being run, not entered again)."""
         get, put = self._accessors(env)
-        index = 0
-        while index < len(self._ops):
-            stage = self._stages.get(index)
-            if stage is None or on_launch is not None:  # (launch by launch for a test that watches each)
+        index = start
+        while index < end:
+            inner = [r for r in (self._stages.get(index), self._loops.get(index))
+                     if r is not None and r is not region and r.end <= end]
+            if on_launch is not None:  # (launch by launch for a test that watches each; loops in Python)
+                inner = [r for r in inner if isinstance(r, _LoopRecord)]
+            if not inner:
                 self._replay_op(self._ops[index], get, put, on_launch)
                 index += 1
                 continue
-            results = self._stage_function(stage)(*(get(k) for k in stage.outside))
-            for key, value in zip(stage.written, results):
-                put(key, value)
-            index = stage.end
-        return {name: get(key) for name, key in self._output_keys.items()}
+            outer = max(inner, key=lambda r: (r.end, isinstance(r, StageRecord)))  # (a stage around its loop)
+            if isinstance(outer, _LoopRecord):
+                self._run_loop(outer, env, on_launch)
+            else:
+                results = self._stage_function(outer)(*(get(k) for k in outer.outside))
+                for key, value in zip(outer.written, results):
+                    put(key, value)
+            index = outer.end
+
+    def _run_loop(self, loop: _LoopRecord, env: dict, on_launch=None) -> None:
+        get, _ = self._accessors(env)
+        keys = loop.written
+
+        def cond(carry):
+            return carry[keys.index(loop.condition)].reshape(-1)[0] != 0
+
+        def body(carry):
+            inner = {**env, **dict(zip(keys, carry))}  # (what the body only reads comes from outside the loop)
+            self._run_ops(inner, loop.start, loop.end, on_launch, region=loop)
+            return tuple(inner[k] for k in keys)
+
+        carry = tuple(get(k) for k in keys)
+        if on_launch is not None:
+            while bool(cond(carry)):
+                carry = body(carry)
+        else:
+            carry = jax.lax.while_loop(cond, body, carry)
+        env.update(zip(keys, carry))
 
     def _accessors(self, env: dict):
         """``get(key)`` and ``put(key, value)`` over ``env`` (values by base key; a view reshapes its base's)."""
@@ -407,9 +475,7 @@ class WarpProgram:
         cache = self.__dict__.setdefault("_stage_functions", {})
         if stage.start not in cache:
             def replay(env):  # the stage's operations over the values given: keys are base keys
-                get, put = self._accessors(env)
-                for op in self._ops[stage.start:stage.end]:
-                    self._replay_op(op, get, put)
+                self._run_ops(env, stage.start, stage.end, region=stage)
                 return env
 
             cache[stage.start] = _stage_rules.stage_function(
@@ -475,6 +541,16 @@ def _scalar_dtype(warp_dtype) -> np.dtype:
     return np.dtype(wp.dtype_to_jax(scalar))
 
 
+def _same_operations(ops, body) -> bool:
+    """Whether two iterations of a loop recorded the same operations (kernels by identity, arguments by key)."""
+    if len(ops) != len(body):
+        return False
+    try:
+        return all(a == b for a, b in zip(ops, body))
+    except (ValueError, TypeError):  # (an argument compared elementwise: compare what the ops print as)
+        return repr(ops) == repr(body)
+
+
 def _written_keys(op) -> set:
     """The keys of the arrays a recorded operation writes: a launch's results, a copy's, fill's or set's dest."""
     return {key for key, _ in op.results if key is not None} if isinstance(op, _Launch) else {op.dest}
@@ -511,6 +587,7 @@ class _Recorder:
         self.stages: list[StageRecord] = []  # traced calls of StageRules' functions (_stage_rules.py)
         self.stage_open = False
         self.launch_rules: list[tuple[Callable[[Any], bool], StageRule]] = []  # per_launch StageRules, matched
+        self.loops: list[_LoopRecord] = []  # wp.capture_while loops
         for name, arr in input_arrays.items():
             if not isinstance(arr, wp.array):
                 raise TypeError(
@@ -820,6 +897,37 @@ class _Recorder:
         d, s = self.touch(dest, "cloned array"), self.touch(src, "clone source")
         self.ops.append(_Set(d, s))
 
+    def capture_while(self, condition, while_body, kwargs) -> None:
+        """Run a ``wp.capture_while`` as Warp runs it without a graph, recording its body once.
+
+        The first iteration's operations are the loop's body; every later one must record the same operations
+        (same kernels, arguments, shapes), which are then dropped: the replay is a ``lax.while_loop`` over the body
+        while the condition's first element is not 0, however many iterations another input needs."""
+        if not isinstance(condition, wp.array) or condition.dtype is not wp.int32 or condition.size < 1:
+            raise TypeError("warpnn.trace: wp.capture_while's condition must be a Warp int32 array (its first "
+                            "element is the loop's test).")
+        cond = self._base(self.touch(condition, "capture_while condition"))
+        start, body, iterations = len(self.ops), None, 0
+        while True:
+            with self.suspended():
+                wp.synchronize()
+                if int(condition.numpy().reshape(-1)[0]) == 0:
+                    break
+            mark, stage_mark = len(self.ops), len(self.stages)
+            while_body(**kwargs)
+            if body is None:
+                body = self.ops[mark:]
+            else:
+                if not _same_operations(self.ops[mark:], body):
+                    raise TypeError(LOOP_BODY_MESSAGE.format(iteration=iterations + 1))
+                del self.ops[mark:], self.stages[stage_mark:]
+            iterations += 1
+        if body is None:
+            raise TypeError(LOOP_UNRUN_MESSAGE)
+        written = {self._base(k) for op in body for k in _written_keys(op)}
+        self.loops.append(_LoopRecord(start, start + len(body), cond, tuple(sorted(written | {cond}, key=repr)),
+                                      iterations))
+
     def launch_rule(self, kernel) -> StageRule | None:
         """The per-launch StageRule whose kernel this is, if any (a launch inside another stage is part of it)."""
         if self.stage_open or not isinstance(kernel, wp.Kernel):
@@ -911,7 +1019,7 @@ def _install_hooks():
         return
     _ORIGINAL.update(
         launch=wp.launch, copy=wp.copy, clone=wp.clone, zero_=wp.array.zero_, fill_=wp.array.fill_,
-        assign=wp.array.assign, numpy=wp.array.numpy, list=wp.array.list,
+        assign=wp.array.assign, numpy=wp.array.numpy, list=wp.array.list, capture_while=wp.capture_while,
     )
     _LAUNCH_SIG = inspect.signature(_ORIGINAL["launch"])
 
@@ -1046,7 +1154,7 @@ def _refused_targets():
     # Warp's own modules call these by their module-level names in warp._src.context: patch both
     for owner in (wp, context):
         targets += [(owner, "capture_launch", UNSUPPORTED_OP_MESSAGE), (owner, "capture_begin", UNSUPPORTED_OP_MESSAGE),
-                    (owner, "capture_if", CONTROL_FLOW_MESSAGE), (owner, "capture_while", CONTROL_FLOW_MESSAGE)]
+                    (owner, "capture_if", CONTROL_FLOW_MESSAGE)]
     targets.append((wp.Launch, "launch", UNSUPPORTED_OP_MESSAGE))  # a recorded Launch object, made before the trace
     for name in ("array_scan", "radix_sort_pairs", "segmented_sort_pairs", "runlength_encode", "array_sum", "array_inner"):
         targets.append((wp.utils, name, UNSUPPORTED_OP_MESSAGE))
@@ -1056,6 +1164,15 @@ def _refused_targets():
 def _is_scalar_argument(value) -> bool:
     """A kernel argument a per-launch rule sees as a value: a number, or a Warp vector or matrix of numbers."""
     return isinstance(value, (bool, int, float, np.number)) or hasattr(value, "_wp_scalar_type_")
+
+
+def _hooked_capture_while(condition, while_body, stream=None, **kwargs):
+    rec = _recorder()
+    if rec is None:
+        return _ORIGINAL["capture_while"](condition, while_body, stream=stream, **kwargs)
+    if not callable(while_body) or stream is not None:
+        raise TypeError(CONTROL_FLOW_MESSAGE.format(what="wp.capture_while with a Graph body or a stream"))
+    rec.capture_while(condition, while_body, kwargs)
 
 
 def _stage_hook(rule: StageRule, original):
@@ -1075,6 +1192,7 @@ def _hooks(rec: _Recorder, rules: tuple[StageRule, ...] = ()):
     patches = [
         # context.launch: wp.launch_tiled (and any Warp function launching by that name) goes through it
         (wp, "launch", _hooked_launch), (context, "launch", _hooked_launch),
+        (wp, "capture_while", _hooked_capture_while), (context, "capture_while", _hooked_capture_while),
         (wp, "copy", _hooked_copy), (wp, "clone", _hooked_clone),
         (wp.array, "zero_", _hooked_zero), (wp.array, "fill_", _hooked_fill), (wp.array, "assign", _hooked_assign),
         (wp.array, "numpy", _hooked_host_read("numpy")), (wp.array, "list", _hooked_host_read("list")),
@@ -1285,6 +1403,7 @@ def trace(
         raise RuntimeError(PYTHON_STATE_MESSAGE.format(changes=", ".join(changes)))
     rec.settle_proofs()
     rec.settle_stages()
-    program = WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys, rec.views, rec.stages)
+    program = WarpProgram(rec.ops, rec.arrays, rec.snapshots, rec.input_keys, output_keys, rec.views, rec.stages,
+                          rec.loops)
     program._platform = rec.platform
     return program
