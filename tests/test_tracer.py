@@ -467,6 +467,41 @@ def test_capture_while_replays_as_a_while_loop_for_any_trip_count():
     assert x.numpy().tolist() == x_np.tolist()  # the trace changed nothing
 
 
+@wp.kernel
+def count_large(x: wp.array(dtype=float), tol: float, large: wp.array(dtype=int)):
+    i = wp.tid()
+    if wp.abs(x[i]) > tol:
+        wp.atomic_add(large, 0, 1)
+
+
+@wp.kernel
+def halve_if_any(large: wp.array(dtype=int), tol: float, x: wp.array(dtype=float), remaining: wp.array(dtype=int)):
+    i = wp.tid()
+    if large[0] > 0 and wp.abs(x[i]) > tol:
+        x[i] = x[i] * 0.5
+        wp.atomic_add(remaining, 0, 1)
+
+
+def halve_with_scratch(x, remaining):
+    large = wp.zeros(1, dtype=int)  # a scratch array allocated by every iteration (mujoco_warp's line search does)
+    wp.launch(count_large, x.shape[0], [x, 0.1, large])
+    remaining.zero_()
+    wp.launch(halve_if_any, x.shape[0], [large, 0.1, x, remaining])
+
+
+def test_capture_while_bodies_that_allocate_scratch_arrays_replay_with_the_first_iterations():
+    """Each iteration allocates its own scratch array (another address): written whole before it is read, the
+    first iteration's stands for every later one's."""
+    x, remaining = wp.array(np.array([1.0, -0.3], np.float32)), wp.zeros(1, dtype=int)
+
+    def step():
+        remaining.fill_(1)
+        wp.capture_while(remaining, halve_with_scratch, x=x, remaining=remaining)
+
+    program = warpnn.trace(step, {"x": x}, {"x": x})
+    assert_close(program({"x": jnp.asarray([8.0, 0.05])})["x"], np.float32([0.0625, 0.05]), rtol=0, atol=0)
+
+
 def test_capture_while_bodies_that_change_or_never_run_are_refused():
     x, flag = wp.zeros(4, dtype=float), wp.ones(1, dtype=int)
     calls = []

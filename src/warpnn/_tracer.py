@@ -72,8 +72,8 @@ CONTROL_FLOW_MESSAGE = (
     "a fixed iteration count)."
 )
 LOOP_BODY_MESSAGE = (
-    "warpnn.trace: iteration {iteration} of a wp.capture_while recorded other operations than its first (other "
-    "kernels, arguments or shapes). The replay runs one body as a lax.while_loop. Fix: make the loop body launch "
+    "warpnn.trace: iteration {iteration} of a wp.capture_while recorded other operations than its first ({differ}). "
+    "The replay runs one body as a lax.while_loop. Fix: make the loop body launch "
     "the same operations every iteration (as a CUDA graph needs), or trace with the library's fixed-count loop."
 )
 LOOP_UNRUN_MESSAGE = (
@@ -541,14 +541,64 @@ def _scalar_dtype(warp_dtype) -> np.dtype:
     return np.dtype(wp.dtype_to_jax(scalar))
 
 
-def _same_operations(ops, body) -> bool:
-    """Whether two iterations of a loop recorded the same operations (kernels by identity, arguments by key)."""
+def _keys_in_order(op) -> list:
+    """The array keys an operation names, in the order of its fields (deterministic, unlike the key sets)."""
+    if isinstance(op, _Launch):
+        return [*_array_keys(op.inputs), *(k for k, _ in op.results if k is not None)]
+    return [op.src, op.dest] if isinstance(op, (_Copy, _Set)) else [op.dest]
+
+
+def _renamed(value, rename: dict):
+    """``value`` (an operation, or a part of one) with the array keys in ``rename`` replaced."""
+    if isinstance(value, tuple):
+        try:
+            if value in rename:
+                return rename[value]
+        except TypeError:  # (unhashable contents: not a key)
+            pass
+        return tuple(_renamed(v, rename) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _renamed(getattr(value, f.name), rename)
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
+def _operations_differ(ops, body, label) -> str | None:
+    """How a loop iteration's operations differ from its first iteration's (kernels by identity, arrays by key),
+    or None."""
+    for i, (a, b) in enumerate(zip(ops, body)):
+        differ = _operation_differs(a, b, label)
+        if differ is not None:
+            return f"operation {i} of the body, {differ}"
     if len(ops) != len(body):
-        return False
-    try:
-        return all(a == b for a, b in zip(ops, body))
-    except (ValueError, TypeError):  # (an argument compared elementwise: compare what the ops print as)
-        return repr(ops) == repr(body)
+        return f"{len(ops)} operations, the first iteration {len(body)}"
+    return None
+
+
+def _operation_differs(a, b, label) -> str | None:
+    def same(x, y) -> bool:
+        try:
+            return bool(x == y)
+        except (ValueError, TypeError):  # (an argument compared elementwise: compare what they print as)
+            return repr(x) == repr(y)
+
+    if type(a) is not type(b) or (isinstance(a, _Launch) and a.kernel is not b.kernel):
+        return f"{_operation_name(a)} where the first iteration had {_operation_name(b)}"
+    if isinstance(a, _Launch):
+        names = [arg.label for arg in a.kernel.adj.args]
+        for k, (x, y) in enumerate(zip(a.inputs, b.inputs)):
+            if not same(x, y):
+                show = lambda v: label(v[1]) if v[0] == "array" else repr(v[1])  # noqa: E731
+                return (f"{_operation_name(a)}: argument '{names[k] if k < len(names) else k}' is {show(x)}, "
+                        f"on the first iteration {show(y)}")
+    for field in dataclasses.fields(a):
+        if not same(getattr(a, field.name), getattr(b, field.name)):
+            return f"{_operation_name(a)}: its {field.name} differs"
+    return None
+
+
+def _operation_name(op) -> str:
+    return f"launch of {op.kernel.key}" if isinstance(op, _Launch) else type(op).__name__.strip("_").lower()
 
 
 def _written_keys(op) -> set:
@@ -907,26 +957,76 @@ class _Recorder:
             raise TypeError("warpnn.trace: wp.capture_while's condition must be a Warp int32 array (its first "
                             "element is the loop's test).")
         cond = self._base(self.touch(condition, "capture_while condition"))
-        start, body, iterations = len(self.ops), None, 0
+        start, body, first_fresh, initial, read_only, iterations = len(self.ops), None, [], {}, set(), 0
+        label = lambda k: self.arrays[k].label  # noqa: E731
         while True:
             with self.suspended():
                 wp.synchronize()
                 if int(condition.numpy().reshape(-1)[0]) == 0:
                     break
-            mark, stage_mark = len(self.ops), len(self.stages)
+            mark, stage_mark, loop_mark, known = len(self.ops), len(self.stages), len(self.loops), set(self.arrays)
             while_body(**kwargs)
+            ops = self.ops[mark:]
+            # arrays the body allocates (a scratch buffer per iteration): iteration k's stand for the first's
+            fresh = [k for k in dict.fromkeys(k for op in ops for k in _keys_in_order(op)) if k not in known]
             if body is None:
+                first_fresh = fresh
+                initial = self._fresh_initial_values(ops, fresh)
+                # an allocation the body reads before writing it (wp.zeros: filled when allocated, no operation
+                # recorded) starts each iteration from its value when allocated: a fill at the body's start
+                self.ops[mark:mark] = [_Fill(k, value) for k, value in initial.items()]
+                moved = lambda r: dataclasses.replace(r, start=r.start + len(initial), end=r.end + len(initial))  # noqa: E731
+                self.stages[stage_mark:] = [moved(r) for r in self.stages[stage_mark:]]
+                self.loops[loop_mark:] = [moved(r) for r in self.loops[loop_mark:]]
                 body = self.ops[mark:]
+                read_only = {k for k in fresh if not any(k in _written_keys(op) for op in body)}
             else:
-                if not _same_operations(self.ops[mark:], body):
-                    raise TypeError(LOOP_BODY_MESSAGE.format(iteration=iterations + 1))
-                del self.ops[mark:], self.stages[stage_mark:]
+                # what stands for an allocation read before it is written (or never written) must hold the same
+                for k, k1 in zip(fresh, first_fresh):
+                    if (k1 in initial or k1 in read_only) and not np.array_equal(self.snapshots[self._base(k)],
+                                                                                 self.snapshots[self._base(k1)]):
+                        raise TypeError(LOOP_BODY_MESSAGE.format(iteration=iterations + 1, differ=(
+                            f"it allocates {label(k)} with other contents than the first iteration's, and reads "
+                            "them")))
+                differ = (f"it allocates {len(fresh)} arrays, the first iteration {len(first_fresh)}"
+                          if len(fresh) != len(first_fresh) else
+                          next((f"it allocates {label(k)} with shape {self.arrays[k].shape}, the first iteration "
+                                f"{self.arrays[k1].shape}" for k, k1 in zip(fresh, first_fresh)
+                                if (self.arrays[k].shape, self.arrays[k].dtype) != (self.arrays[k1].shape,
+                                                                                   self.arrays[k1].dtype)
+                                or (k in self.views) != (k1 in self.views)), None))
+                rename = dict(zip(fresh, first_fresh))
+                differ = differ or _operations_differ([_renamed(op, rename) for op in ops], body, label)
+                if differ is not None:
+                    raise TypeError(LOOP_BODY_MESSAGE.format(iteration=iterations + 1, differ=differ))
+                del self.ops[mark:], self.stages[stage_mark:], self.loops[loop_mark:]
             iterations += 1
         if body is None:
             raise TypeError(LOOP_UNRUN_MESSAGE)
         written = {self._base(k) for op in body for k in _written_keys(op)}
         self.loops.append(_LoopRecord(start, start + len(body), cond, tuple(sorted(written | {cond}, key=repr)),
                                       iterations))
+
+    def _fresh_initial_values(self, body, fresh) -> dict:
+        """``{key: value}`` for the arrays among ``fresh`` (allocated by a loop's body) that its operations read
+        before writing them whole and write later (a replay would carry them from the previous iteration): each
+        held one value when allocated (zeros), which each iteration starts from. Refused otherwise."""
+        initial = {}
+        for key in fresh:
+            first = next(op for op in body if key in _read_keys(op) | _written_keys(op))
+            whole_copy = (isinstance(first, _Copy) and first.dest == key and first.dest_offset == 0
+                          and first.count in (0, math.prod(self.arrays[key].shape[:first.warp_ndim])))
+            if key not in _read_keys(first) or whole_copy or not any(key in _written_keys(op) for op in body):
+                continue
+            base = self._base(key)
+            snapshot = self.snapshots[base]
+            flat = snapshot.reshape(-1)
+            if base != key or not flat.size or not np.all(flat == flat[0]):
+                raise TypeError(LOOP_BODY_MESSAGE.format(iteration=1, differ=(
+                    f"the body allocates {self.arrays[key].label} and reads it before writing it whole, and its "
+                    "contents when allocated are not one value: each iteration would read the last one's")))
+            initial[key] = flat[0].item()
+        return initial
 
     def launch_rule(self, kernel) -> StageRule | None:
         """The per-launch StageRule whose kernel this is, if any (a launch inside another stage is part of it)."""
