@@ -14,6 +14,28 @@ from .helpers import QUICK_COMPILE_LEVEL  # noqa: E402
 _default_optimization_level = wp.config.optimization_level
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """One persistent XLA compilation cache for this run, shared by its xdist workers and by nothing else.
+
+    Many tests call ``jax.clear_caches()`` (a configuration read at trace time must be traced again), and with
+    the traces go the compiled executables of every eager ``jnp`` operation and every ``jax.jit`` after it:
+    the same few hundred small programs were compiled again in each test, most of a CPU run's time. XLA
+    compiles an executable from its HLO alone, so one loaded from this cache is the one a compile would give;
+    the programs are still traced and lowered anew (what the tests check), only their compilation is shared.
+    The directory lives under this run's pytest base temp (which pytest prunes), so every run starts cold:
+    nothing carries over from an earlier run. Set here, before collection: JAX decides at its first compile
+    whether the cache is used."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or jax.config.jax_compilation_cache_dir:
+        return  # no base temp (pytest -p no:tmpdir), or the caller chose a cache of their own
+    base = factory.getbasetemp()
+    run = base.parent if hasattr(config, "workerinput") else base  # xdist: <run>/popen-gwN, shared <run>
+    jax.config.update("jax_compilation_cache_dir", str(run / "xla-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def pytest_runtest_setup(item):
     # (a hook, not a fixture: it must cover the module-scoped fixtures that build and trace the programs)
     if QUICK_COMPILE_LEVEL is not None and item.get_closest_marker("quick_compile") is not None:
