@@ -349,9 +349,14 @@ WARP_EXAMPLES = {
     # (camera position and rotation passed by value: wp.vec3, wp.quat; no float array in)
     "core.example_raymarch": ({"height": 12, "width": 16}, "render", (), (1, 0, 0, 0), ()),
     "optim.example_fluid_checkpoint": ({"sim_steps": 4, "pressure_iterations": 4}, "step", (1,), (4, 4, 0, 0), ()),
-    # (a tile kernel; the step swaps its two position buffers)
-    "tile.example_tile_nbody": ({}, "step", (), (1, 0, 0, 1), ("pos_array_0", "pos_array_1")),
+    # (a tile kernel; the step swaps its two position buffers. 1024 bodies, 16 tiles of 64, not the default 16384:
+    # the all-pairs kernel is quadratic, and one launch at its first call is what is checked)
+    "tile.example_tile_nbody": ({"num_bodies": 1024}, "step", (), (1, 0, 0, 1), ("pos_array_0", "pos_array_1")),
 }
+# Attributes set on an Example after it is built. SPH's step runs 40 substeps of the same 5 kernels; each kernel is
+# checked at its first launch, in the first substep, on the same values whatever the count: 2 substeps still
+# replay a substep after the first (its grid rebuilt), without 38 more over 62,500 particles.
+WARP_EXAMPLE_ATTRIBUTES = {"core.example_sph": {"sim_step_to_frame_ratio": 2}}
 
 
 def _example(name: str, arguments: dict):
@@ -375,6 +380,9 @@ def test_warp_example_launches(name):
     with on_one_device():  # (the GPU on a GPU host: the Examples' own device)
         sim = _example(name, arguments)
         sim.use_cuda_graph = False  # (a captured graph is refused inside a traced step)
+        for attribute, value in WARP_EXAMPLE_ATTRIBUTES.get(name, {}).items():
+            assert hasattr(sim, attribute), (name, attribute)
+            setattr(sim, attribute, value)
         state = _float_arrays(sim)
         program = warpnn.trace(lambda: getattr(sim, method)(*step_arguments), state, state, frozen_host_ops=True,
                                python_state=python_state)
