@@ -29,7 +29,21 @@ def subprocess_env(*first: str, **variables: str) -> dict[str, str]:
     Warp importable in this process (a ``--target`` install on ``PYTHONPATH``, as on the GPU machine) must stay
     visible to the child: replacing ``PYTHONPATH`` crashed every fuzz case there with "No module named 'warp'"."""
     path = [*first, ROOT, os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, **variables, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    return {**os.environ, **_compilation_cache_env(), **variables, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+def _compilation_cache_env() -> dict[str, str]:
+    """The run's persistent XLA compilation cache (conftest.py) for a subprocess too: the children of one test
+    (a check under each launcher, thread count or pool setting) compile the same programs. Nothing where this
+    process has no cache or JAX is not loaded."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    directory = jax.config.jax_compilation_cache_dir if jax is not None else None
+    if not directory:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": directory, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def on_one_device():
