@@ -47,6 +47,7 @@ import copy
 import dataclasses
 import operator
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -420,6 +421,13 @@ class MujocoStep:
             a dense Jacobian and ``nv <= 50`` mujoco_warp's line search writes ``ctx.jv`` through one parameter and
             reads it back through another bound to the same array in the same launch; the tracer replays that
             kernel with the two parameters merged, as Warp runs it.)
+        solver_loop: how the constraint solver's iterations replay. ``"while"``: as mujoco_warp's own graph runs
+            them, a ``wp.capture_while`` replayed as a ``lax.while_loop`` (as many iterations as the step needs,
+            one compiled). ``"fixed"``: ``m.opt.graph_conditional = False``, mujoco_warp's loop of
+            ``opt.iterations`` iterations, each returning early once converged (every iteration launched and
+            compiled). ``"auto"`` (default): ``"while"``, or ``"fixed"`` with a warning where the tracer refuses
+            the loop (mujoco_warp's GPU line search for many worlds allocates a scratch array per iteration that
+            it reads before writing, whose contents the replay could not reproduce).
 
     Attributes:
         mjm: the ``mujoco.MjModel``. m, d: the ``mujoco_warp`` Model and Data the step was traced on.
@@ -437,6 +445,7 @@ class MujocoStep:
         nconmax: int | None = None,
         njmax: int | None = None,
         sparse_jacobian: bool = False,
+        solver_loop: str = "auto",
     ):
         import mujoco
         import mujoco_warp as mjw
@@ -459,6 +468,10 @@ class MujocoStep:
                 mujoco.mj_copyData(data, self.mjm, given)
             mujoco.mj_forward(self.mjm, data)
         self.m = mjw.put_model(self.mjm)
+        if solver_loop not in ("auto", "while", "fixed"):
+            raise ValueError(f"MujocoStep: solver_loop must be 'auto', 'while' or 'fixed', got {solver_loop!r}.")
+        self.solver_loop = solver_loop
+        self.m.opt.graph_conditional = solver_loop != "fixed"
         self.d = mjw.put_data(self.mjm, data, nworld=nworld, nconmax=nconmax, njmax=njmax)
         self._rules = _stage_rules(self.m)
         self.nworld = nworld
@@ -495,7 +508,15 @@ class MujocoStep:
         inputs = {f"state/{n}": self._data[n] for n in self.state_fields}
         inputs.update({f"params/{n}": a for n, a in self._params.items()})
         outputs = {n: self._data[n] for n in self.state_fields}
-        self.program = warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs, rules=self._rules)
+        try:
+            self.program = warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs, rules=self._rules)
+        except TypeError as refused:
+            if self.solver_loop != "auto" or not self.m.opt.graph_conditional or "wp.capture_while" not in str(refused):
+                raise
+            warnings.warn(f"MujocoStep: the solver's loop replays with a fixed count of opt.iterations "
+                          f"({self.mjm.opt.iterations}) instead of as a lax.while_loop: {refused}", stacklevel=4)
+            self.m.opt.graph_conditional = False
+            self.program = warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs, rules=self._rules)
 
     def reverse_refusals(self) -> dict[str, str]:
         """The step's kernels that reverse mode refuses today, ``{kernel key: "<stage>: <reason>"}``.

@@ -294,6 +294,7 @@ def test_arm_has_no_refused_kernel_and_differentiates_its_stages_by_rules(arm):
     assert "stage mujoco_warp._src.smooth.factor_solve_i" in described
     assert "stage mujoco_warp._src.solver.solve" in described
     assert "(wp.capture_while; operations" in described  # the solver's iterations: a lax.while_loop
+    assert step.m.opt.graph_conditional and step.solver_loop == "auto"
 
 
 @pytest.mark.parametrize("steps", [1, 10, 100])
@@ -327,9 +328,12 @@ def test_cartpole_with_joint_limit_equals_mujoco_warp_with_a_sparse_jacobian():
     """Cart driven into its rail limit (the constraint solver engages from ~step 30), traced with a sparse
     constraint Jacobian: 50 replayed steps equal mujoco_warp run directly (measured max error 0.0) and mj_step
     within 5e-4 (measured 3.5e-6). The solver's rule covers a dense Jacobian: reverse mode through this one is
-    refused, naming the stage (and so are the sparse layout's row reservations, atomics inside a @wp.func)."""
+    refused, naming the stage (and so are the sparse layout's row reservations, atomics inside a @wp.func).
+    Traced with mujoco_warp's fixed-count solver loop (``solver_loop="fixed"``): the replay equals mujoco_warp run
+    with its default loop all the same."""
     mjm, mjd = start(CARTPOLE, qpos=[0.0, 0.2], qvel=[1.0, 0.0])
-    step = MujocoStep(mjm, mjd, sparse_jacobian=True)
+    step = MujocoStep(mjm, mjd, sparse_jacobian=True, solver_loop="fixed")  # (mujoco_warp's fixed-count loop)
+    assert not step.m.opt.graph_conditional and "wp.capture_while" not in step.program.describe()
     mjm = step.mjm
     ctrls = np.full((T, 1, 1), 0.3, np.float32)
     _, traj = jax.jit(lambda s, c: rollout(step, s, {"ctrl": c}))(step.initial_state(), ctrls)

@@ -957,7 +957,7 @@ class _Recorder:
             raise TypeError("warpnn.trace: wp.capture_while's condition must be a Warp int32 array (its first "
                             "element is the loop's test).")
         cond = self._base(self.touch(condition, "capture_while condition"))
-        start, body, first_fresh, initial, read_only, iterations = len(self.ops), None, [], {}, set(), 0
+        start, body, first_fresh, read_only, iterations = len(self.ops), None, [], set(), 0
         label = lambda k: self.arrays[k].label  # noqa: E731
         while True:
             with self.suspended():
@@ -971,10 +971,11 @@ class _Recorder:
             fresh = [k for k in dict.fromkeys(k for op in ops for k in _keys_in_order(op)) if k not in known]
             if body is None:
                 first_fresh = fresh
-                initial = self._fresh_initial_values(ops, fresh)
-                # an allocation the body reads before writing it (wp.zeros: filled when allocated, no operation
-                # recorded) starts each iteration from its value when allocated: a fill at the body's start
-                self.ops[mark:mark] = [_Fill(k, value) for k, value in initial.items()]
+                initial = self._unspecified_allocations(ops, fresh)
+                # an allocation the body reads before writing it has unspecified contents (wp.empty: an
+                # allocation Warp fills is recorded as written first): each iteration starts it from zeros, one of
+                # the values Warp could have given it, rather than from the last iteration's values
+                self.ops[mark:mark] = [_Fill(k, 0) for k in initial]
                 moved = lambda r: dataclasses.replace(r, start=r.start + len(initial), end=r.end + len(initial))  # noqa: E731
                 self.stages[stage_mark:] = [moved(r) for r in self.stages[stage_mark:]]
                 self.loops[loop_mark:] = [moved(r) for r in self.loops[loop_mark:]]
@@ -983,7 +984,7 @@ class _Recorder:
             else:
                 # what stands for an allocation read before it is written (or never written) must hold the same
                 for k, k1 in zip(fresh, first_fresh):
-                    if (k1 in initial or k1 in read_only) and not np.array_equal(self.snapshots[self._base(k)],
+                    if k1 in read_only and not np.array_equal(self.snapshots[self._base(k)],
                                                                                  self.snapshots[self._base(k1)]):
                         raise TypeError(LOOP_BODY_MESSAGE.format(iteration=iterations + 1, differ=(
                             f"it allocates {label(k)} with other contents than the first iteration's, and reads "
@@ -1007,26 +1008,18 @@ class _Recorder:
         self.loops.append(_LoopRecord(start, start + len(body), cond, tuple(sorted(written | {cond}, key=repr)),
                                       iterations))
 
-    def _fresh_initial_values(self, body, fresh) -> dict:
-        """``{key: value}`` for the arrays among ``fresh`` (allocated by a loop's body) that its operations read
-        before writing them whole and write later (a replay would carry them from the previous iteration): each
-        held one value when allocated (zeros), which each iteration starts from. Refused otherwise."""
-        initial = {}
+    def _unspecified_allocations(self, body, fresh) -> list:
+        """The arrays among ``fresh`` (allocated by a loop's body) that its operations read before writing them
+        whole and write later: allocated without contents (``wp.empty``; ``wp.zeros``, ``wp.full``, an array made
+        from host data or a clone are recorded as written first)."""
+        unspecified = []
         for key in fresh:
             first = next(op for op in body if key in _read_keys(op) | _written_keys(op))
             whole_copy = (isinstance(first, _Copy) and first.dest == key and first.dest_offset == 0
                           and first.count in (0, math.prod(self.arrays[key].shape[:first.warp_ndim])))
-            if key not in _read_keys(first) or whole_copy or not any(key in _written_keys(op) for op in body):
-                continue
-            base = self._base(key)
-            snapshot = self.snapshots[base]
-            flat = snapshot.reshape(-1)
-            if base != key or not flat.size or not np.all(flat == flat[0]):
-                raise TypeError(LOOP_BODY_MESSAGE.format(iteration=1, differ=(
-                    f"the body allocates {self.arrays[key].label} and reads it before writing it whole, and its "
-                    "contents when allocated are not one value: each iteration would read the last one's")))
-            initial[key] = flat[0].item()
-        return initial
+            if key in _read_keys(first) and not whole_copy and any(key in _written_keys(op) for op in body):
+                unspecified.append(key)
+        return unspecified
 
     def launch_rule(self, kernel) -> StageRule | None:
         """The per-launch StageRule whose kernel this is, if any (a launch inside another stage is part of it)."""
