@@ -426,8 +426,7 @@ class MujocoStep:
             one compiled). ``"fixed"``: ``m.opt.graph_conditional = False``, mujoco_warp's loop of
             ``opt.iterations`` iterations, each returning early once converged (every iteration launched and
             compiled). ``"auto"`` (default): ``"while"``, or ``"fixed"`` with a warning where the tracer refuses
-            the loop (mujoco_warp's GPU line search for many worlds allocates a scratch array per iteration that
-            it reads before writing, whose contents the replay could not reproduce).
+            the loop (a body that launches other operations on a later iteration).
 
     Attributes:
         mjm: the ``mujoco.MjModel``. m, d: the ``mujoco_warp`` Model and Data the step was traced on.

@@ -502,6 +502,32 @@ def test_capture_while_bodies_that_allocate_scratch_arrays_replay_with_the_first
     assert_close(program({"x": jnp.asarray([8.0, 0.05])})["x"], np.float32([0.0625, 0.05]), rtol=0, atol=0)
 
 
+@wp.kernel
+def add_count(remaining: wp.array(dtype=int), total: wp.array(dtype=int)):
+    total[0] = total[0] + remaining[0]
+
+
+def test_capture_while_carries_an_array_the_body_first_touches_from_its_value_before_the_loop():
+    """An array that exists before the loop and is first touched inside its body (an accumulator) is no scratch
+    buffer: every iteration updates the same array, from its value before the loop."""
+    x, remaining, total = wp.array(np.array([1.0, -0.3], np.float32)), wp.zeros(1, dtype=int), wp.array([5], dtype=int)
+
+    def body(x, remaining):
+        halve_until_small(x, remaining)
+        wp.launch(add_count, 1, [remaining, total])
+
+    def step():
+        remaining.fill_(1)
+        wp.capture_while(remaining, body, x=x, remaining=remaining)
+
+    program = warpnn.trace(step, {"x": x}, {"x": x, "total": total})
+    wx, left, wtotal = wp.array(np.array([8.0, -0.3], np.float32)), wp.ones(1, dtype=int), wp.array([5], dtype=int)
+    wp.capture_while(left, lambda: (halve_until_small(wx, left), wp.launch(add_count, 1, [left, wtotal])))
+    out = program({"x": jnp.asarray([8.0, -0.3])})
+    assert_close(out["x"], wx.numpy(), rtol=0, atol=0)
+    assert int(out["total"][0]) == int(wtotal.numpy()[0]) > 5 + 7  # (from 5: the counts of every iteration)
+
+
 def test_capture_while_bodies_that_change_or_never_run_are_refused():
     x, flag = wp.zeros(4, dtype=float), wp.ones(1, dtype=int)
     calls = []

@@ -957,7 +957,7 @@ class _Recorder:
             raise TypeError("warpnn.trace: wp.capture_while's condition must be a Warp int32 array (its first "
                             "element is the loop's test).")
         cond = self._base(self.touch(condition, "capture_while condition"))
-        start, body, first_fresh, read_only, iterations = len(self.ops), None, [], set(), 0
+        start, body, first_new, iterations = len(self.ops), None, set(), 0
         label = lambda k: self.arrays[k].label  # noqa: E731
         while True:
             with self.suspended():
@@ -966,38 +966,10 @@ class _Recorder:
                     break
             mark, stage_mark, loop_mark, known = len(self.ops), len(self.stages), len(self.loops), set(self.arrays)
             while_body(**kwargs)
-            ops = self.ops[mark:]
-            # arrays the body allocates (a scratch buffer per iteration): iteration k's stand for the first's
-            fresh = [k for k in dict.fromkeys(k for op in ops for k in _keys_in_order(op)) if k not in known]
             if body is None:
-                first_fresh = fresh
-                initial = self._unspecified_allocations(ops, fresh)
-                # an allocation the body reads before writing it has unspecified contents (wp.empty: an
-                # allocation Warp fills is recorded as written first): each iteration starts it from zeros, one of
-                # the values Warp could have given it, rather than from the last iteration's values
-                self.ops[mark:mark] = [_Fill(k, 0) for k in initial]
-                moved = lambda r: dataclasses.replace(r, start=r.start + len(initial), end=r.end + len(initial))  # noqa: E731
-                self.stages[stage_mark:] = [moved(r) for r in self.stages[stage_mark:]]
-                self.loops[loop_mark:] = [moved(r) for r in self.loops[loop_mark:]]
-                body = self.ops[mark:]
-                read_only = {k for k in fresh if not any(k in _written_keys(op) for op in body)}
+                body, first_new = self.ops[mark:], set(self.arrays) - known
             else:
-                # what stands for an allocation read before it is written (or never written) must hold the same
-                for k, k1 in zip(fresh, first_fresh):
-                    if k1 in read_only and not np.array_equal(self.snapshots[self._base(k)],
-                                                                                 self.snapshots[self._base(k1)]):
-                        raise TypeError(LOOP_BODY_MESSAGE.format(iteration=iterations + 1, differ=(
-                            f"it allocates {label(k)} with other contents than the first iteration's, and reads "
-                            "them")))
-                differ = (f"it allocates {len(fresh)} arrays, the first iteration {len(first_fresh)}"
-                          if len(fresh) != len(first_fresh) else
-                          next((f"it allocates {label(k)} with shape {self.arrays[k].shape}, the first iteration "
-                                f"{self.arrays[k1].shape}" for k, k1 in zip(fresh, first_fresh)
-                                if (self.arrays[k].shape, self.arrays[k].dtype) != (self.arrays[k1].shape,
-                                                                                   self.arrays[k1].dtype)
-                                or (k in self.views) != (k1 in self.views)), None))
-                rename = dict(zip(fresh, first_fresh))
-                differ = differ or _operations_differ([_renamed(op, rename) for op in ops], body, label)
+                differ = self._same_body(self.ops[mark:], body, known, first_new, label)
                 if differ is not None:
                     raise TypeError(LOOP_BODY_MESSAGE.format(iteration=iterations + 1, differ=differ))
                 del self.ops[mark:], self.stages[stage_mark:], self.loops[loop_mark:]
@@ -1008,18 +980,28 @@ class _Recorder:
         self.loops.append(_LoopRecord(start, start + len(body), cond, tuple(sorted(written | {cond}, key=repr)),
                                       iterations))
 
-    def _unspecified_allocations(self, body, fresh) -> list:
-        """The arrays among ``fresh`` (allocated by a loop's body) that its operations read before writing them
-        whole and write later: allocated without contents (``wp.empty``; ``wp.zeros``, ``wp.full``, an array made
-        from host data or a clone are recorded as written first)."""
-        unspecified = []
-        for key in fresh:
-            first = next(op for op in body if key in _read_keys(op) | _written_keys(op))
-            whole_copy = (isinstance(first, _Copy) and first.dest == key and first.dest_offset == 0
-                          and first.count in (0, math.prod(self.arrays[key].shape[:first.warp_ndim])))
-            if key in _read_keys(first) and not whole_copy and any(key in _written_keys(op) for op in body):
-                unspecified.append(key)
-        return unspecified
+    def _same_body(self, ops, body, known, first_new, label) -> str | None:
+        """How a later iteration's operations differ from the first's, or None.
+
+        An array the iteration allocated (not registered before it) stands for the array at the same place in
+        the first iteration, if that one was allocated by the first iteration too (a scratch buffer per
+        iteration; the replay carries the first's from one iteration to the next, which for a buffer read before
+        it is written is one of the contents a new allocation could have). One that the body only reads must
+        hold the same contents in both (an array made from host data each iteration)."""
+        rename: dict = {}
+        for op, first in zip(ops, body):
+            if type(op) is type(first):
+                for k, k1 in zip(_keys_in_order(op), _keys_in_order(first)):
+                    if k != k1 and k not in known and k1 in first_new and rename.setdefault(k, k1) == k1:
+                        if (self.arrays[k].shape, self.arrays[k].dtype) != (self.arrays[k1].shape,
+                                                                          self.arrays[k1].dtype):
+                            return f"it allocates {label(k)} with shape {self.arrays[k].shape}, the first " \
+                                   f"iteration {self.arrays[k1].shape}"
+        for k, k1 in rename.items():
+            only_read = not any(k1 in _written_keys(op) for op in body)
+            if only_read and not np.array_equal(self.snapshots[self._base(k)], self.snapshots[self._base(k1)]):
+                return f"it allocates {label(k)} with other contents than the first iteration's, and reads them"
+        return _operations_differ([_renamed(op, rename) for op in ops], body, label)
 
     def launch_rule(self, kernel) -> StageRule | None:
         """The per-launch StageRule whose kernel this is, if any (a launch inside another stage is part of it)."""
