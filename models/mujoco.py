@@ -238,11 +238,6 @@ def _make_frame(n):
     return jnp.stack([a, b, jnp.cross(a, b)], axis=-2)
 
 
-# the primitive collisions the narrowphase rule computes, by (type of geom 1, type of geom 2) of mujoco's mjtGeom
-_PLANE, _SPHERE, _BOX = 0, 2, 6
-_RULED_PAIRS = {(_PLANE, _SPHERE): "plane-sphere", (_PLANE, _BOX): "plane-box", (_SPHERE, _SPHERE): "sphere-sphere"}
-
-
 def _contact_rules(m) -> list:
     """The collision stages, differentiated by rules (``warpnn.StageRule(per_launch=True)``).
 
@@ -263,6 +258,8 @@ def _contact_rules(m) -> list:
     from mujoco_warp._src import collision_primitive, constraint, types
     from mujoco_warp._src.math import upper_trid_index
 
+    plane, sphere, box = (int(t) for t in (types.GeomType.PLANE, types.GeomType.SPHERE, types.GeomType.BOX))
+    ruled = {(plane, sphere): "plane-sphere", (plane, box): "plane-box", (sphere, sphere): "sphere-sphere"}
     geom_type = np.asarray(m.geom_type.numpy())
     geom_priority = np.asarray(m.geom_priority.numpy())
     geom_bodyid = np.asarray(m.geom_bodyid.numpy())
@@ -273,7 +270,7 @@ def _contact_rules(m) -> list:
                if (t1, t2) in {(int(a), int(b)) for a, b in collision_primitive._PRIMITIVE_COLLISIONS}
                and m.geom_pair_type_count[upper_trid_index(ntypes, t1, t2)]]
     unruled = [f"{types.GeomType(t1).name.lower()}-{types.GeomType(t2).name.lower()}" for t1, t2 in present
-               if (t1, t2) not in _RULED_PAIRS]
+               if (t1, t2) not in ruled]
     unsupported = (f"explicit contact pairs (<pair>: {m.npair})" if m.npair else
                    f"the primitive collisions {unruled}" if unruled else None)
     contact_floats = ("contact_dist_out", "contact_pos_out", "contact_frame_out", "contact_includemargin_out",
@@ -282,7 +279,7 @@ def _contact_rules(m) -> list:
 
     def narrowphase_rule(before, after):
         if unsupported is not None:
-            raise NotImplementedError(f"collision narrowphase: the rule computes {sorted(_RULED_PAIRS.values())} "
+            raise NotImplementedError(f"collision narrowphase: the rule computes {sorted(ruled.values())} "
                                       f"contacts; this model has {unsupported}")
         slot = jnp.arange(after["contact_dist_out"].shape[0])
         written = (slot >= before["nacon_out"][0]) & (slot < after["nacon_out"][0])
@@ -310,9 +307,9 @@ def _contact_rules(m) -> list:
         balls_dist = length - (r1 + r2)
         balls_pos = p1 + between * (r1 + 0.5 * balls_dist)[:, None]
         kind = jnp.asarray(geom_type)[g1] * ntypes + jnp.asarray(geom_type)[g2]
-        box, balls = kind == _PLANE * ntypes + _BOX, kind == _SPHERE * ntypes + _SPHERE
-        dist = jnp.where(box, box_dist, jnp.where(balls, balls_dist, sphere_dist))
-        pos = jnp.where(box[:, None], box_pos, jnp.where(balls[:, None], balls_pos, sphere_pos))
+        on_box, balls = kind == plane * ntypes + box, kind == sphere * ntypes + sphere
+        dist = jnp.where(on_box, box_dist, jnp.where(balls, balls_dist, sphere_dist))
+        pos = jnp.where(on_box[:, None], box_pos, jnp.where(balls[:, None], balls_pos, sphere_pos))
         frame = _make_frame(jnp.where(balls[:, None], between, normal))
         friction_of = before["geom_friction"][world % before["geom_friction"].shape[0]]
         f1, f2 = friction_of[slot, g1], friction_of[slot, g2]
@@ -507,15 +504,18 @@ class MujocoStep:
         inputs = {f"state/{n}": self._data[n] for n in self.state_fields}
         inputs.update({f"params/{n}": a for n, a in self._params.items()})
         outputs = {n: self._data[n] for n in self.state_fields}
+        def trace() -> warpnn.WarpProgram:
+            return warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs, rules=self._rules)
+
         try:
-            self.program = warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs, rules=self._rules)
+            self.program = trace()
         except TypeError as refused:
             if self.solver_loop != "auto" or not self.m.opt.graph_conditional or "wp.capture_while" not in str(refused):
                 raise
             warnings.warn(f"MujocoStep: the solver's loop replays with a fixed count of opt.iterations "
                           f"({self.mjm.opt.iterations}) instead of as a lax.while_loop: {refused}", stacklevel=4)
             self.m.opt.graph_conditional = False
-            self.program = warpnn.trace(lambda: mjw.step(self.m, self.d), inputs, outputs, rules=self._rules)
+            self.program = trace()
 
     def reverse_refusals(self) -> dict[str, str]:
         """The step's kernels that reverse mode refuses today, ``{kernel key: "<stage>: <reason>"}``.

@@ -248,6 +248,8 @@ def test_worlds_step_together_as_in_mujoco_warp(arm):
     for bad in (0, 2.0):
         with pytest.raises(ValueError, match="nworld must be a positive int"):
             MujocoStep(mjm, mjd, nworld=bad)
+    with pytest.raises(ValueError, match="solver_loop must be 'auto', 'while' or 'fixed', got 'never'"):
+        MujocoStep(mjm, mjd, solver_loop="never")
 
 
 def test_modules_equal_the_step(arm):

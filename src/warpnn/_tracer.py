@@ -1028,7 +1028,7 @@ class _Recorder:
             wp.synchronize()
             after = {n: a.numpy().copy() for n, a in (*named["writes"].items(), *named["context"].items())}
         # a per-launch rule sees the launch's scalar arguments in ``after``; its refusals name arrays by parameter
-        scalars = tuple((n, v) for n, v in kwargs.items() if rule.per_launch and _is_scalar_argument(v))
+        scalars = tuple((n, _plain_scalar(v)) for n, v in kwargs.items() if rule.per_launch and _is_scalar_argument(v))
         after.update(scalars)
         refusal = _stage_rules.check(rule, before, after, list(named["writes"]))
         names = tuple((self._base(self.touch(a, n)), n) for n, a in kwargs.items() if rule.per_launch
@@ -1237,8 +1237,9 @@ def _refused_targets():
 
 
 def _is_scalar_argument(value) -> bool:
-    """A kernel argument a per-launch rule sees as a value: a number, or a Warp vector or matrix of numbers."""
-    return isinstance(value, (bool, int, float, np.number)) or hasattr(value, "_wp_scalar_type_")
+    """A kernel argument a per-launch rule sees by value: what ``_Recorder.launch`` records as
+    ``("scalar", _plain_scalar(value))`` (not a ``wp.struct``), less arrays and None."""
+    return value is not None and not isinstance(value, wp.array) and not hasattr(value, "_cls")
 
 
 def _hooked_capture_while(condition, while_body, stream=None, **kwargs):
