@@ -40,6 +40,7 @@ import numpy as np
 import warp as wp
 
 import warpnn
+from warpnn._io import atomic_write_bytes
 
 from .common import time_interleaved
 
@@ -175,10 +176,10 @@ def _mjx_case(mjm, qvel: np.ndarray, nconmax: int, njmax: int, steps: int):
         return e
 
 
-def run(models, nworlds, steps: int, rounds: int, vmap_up_to: int) -> list[dict]:
+def run(models, nworlds, steps: int, rounds: int, vmap_up_to: int):
+    """Yields one row per model and number of worlds, as it is measured."""
     on_gpu = jax.default_backend() == "gpu"
     device = "cuda:0" if on_gpu else "cpu"
-    rows = []
     for name in models:
         mjm, mjd, nconmax, njmax = _model(name)
         for nworld in nworlds:
@@ -200,10 +201,9 @@ def run(models, nworlds, steps: int, rounds: int, vmap_up_to: int) -> list[dict]
                     row[key] = f"{type(value).__name__}: {str(value).splitlines()[0][:160]}"
                 else:
                     row[key] = round(nworld * steps / value)
-            rows.append(row)
             print(json.dumps(row), flush=True)
             del cases
-    return rows
+            yield row
 
 
 _ROW_KEYS = ("model", "nv", "nworld", "steps", "trace_s")
@@ -262,14 +262,17 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"mujoco-step-{'gpu' if on_gpu else 'cpu'}"
-    rows = run(args.models, args.nworld, args.steps, args.rounds, args.vmap_up_to)
+    kept = []
     if args.merge and (out / f"{name}.json").exists():
-        measured = {(r["model"], r["nworld"]) for r in rows}
-        kept = [r for r in json.loads((out / f"{name}.json").read_text()) if (r["model"], r["nworld"]) not in measured]
-        rows = sorted(kept + rows, key=lambda r: (list(MODELS).index(r["model"]), r["nworld"]))
-    (out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / f"{name}.md").write_text(markdown(rows))
-    print(markdown(rows))
+        measuring = {(m, n) for m in args.models for n in args.nworld}
+        kept = [r for r in json.loads((out / f"{name}.json").read_text()) if (r["model"], r["nworld"]) not in measuring]
+    rows, table = [], kept
+    for row in run(args.models, args.nworld, args.steps, args.rounds, args.vmap_up_to):
+        rows.append(row)  # the tables are rewritten after each row: a run cut short keeps what it measured
+        table = sorted(kept + rows, key=lambda r: (list(MODELS).index(r["model"]), r["nworld"]))
+        atomic_write_bytes(out / f"{name}.json", (json.dumps(table, indent=1) + "\n").encode())
+        atomic_write_bytes(out / f"{name}.md", markdown(table).encode())
+    print(markdown(table))
 
 
 if __name__ == "__main__":
