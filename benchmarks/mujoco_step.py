@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -206,7 +207,6 @@ def run(models, nworlds, steps: int, rounds: int, vmap_up_to: int):
             yield row
 
 
-_ROW_KEYS = ("model", "nv", "nworld", "steps", "trace_s")
 _COLUMNS = ("warpnn fwd", "warpnn vmap", "mujoco_warp captured", "mujoco_warp loop", "MJX warp", "warpnn fwd+bwd")
 
 
@@ -217,21 +217,35 @@ def _short(error: str) -> str:
     return error
 
 
-def markdown(rows: list[dict]) -> str:
+def _setup() -> str:
+    """The device and versions a row was measured with (kept in the row, so the table regenerates anywhere)."""
     import mujoco
     import mujoco_warp
 
     device = jax.devices()[0]
+    try:
+        from importlib.metadata import version
+
+        mjx = f", mujoco-mjx {version('mujoco-mjx')}"
+    except Exception:  # noqa: BLE001 - not installed (the MJX column then says so)
+        mjx = ""
+    return (f"{device.platform}: {device.device_kind}; jax {jax.__version__}, warp-lang {wp.__version__}, mujoco-warp "
+            f"{getattr(mujoco_warp, '__version__', '?')}, mujoco {mujoco.__version__}{mjx}, warpnn launcher "
+            f"{warpnn._launch.LAUNCHER.name}")
+
+
+def markdown(rows: list[dict]) -> str:
     columns = [c for c in _COLUMNS if any(c in r for r in rows)]
+    setups = list(dict.fromkeys(r.get("setup", "?") for r in rows))
+    commands = list(dict.fromkeys(r.get("command", "python -m benchmarks mujoco_step") for r in rows))
     lines = [
-        f"# MuJoCo Warp step: warpnn vs mujoco_warp vs MJX ({device.platform}: {device.device_kind})",
+        f"# MuJoCo Warp step: warpnn vs mujoco_warp vs MJX ({' / '.join(s.split(';')[0] for s in setups)})",
         "",
-        f"Steps per second (worlds x steps / s), a {rows[0]['steps'] if rows else ''}-step rollout; jax "
-        f"{jax.__version__}, warp-lang {wp.__version__}, mujoco-warp {getattr(mujoco_warp, '__version__', '?')}, "
-        f"mujoco {mujoco.__version__}, warpnn launcher {warpnn._launch.LAUNCHER.name}. "
-        "`python -m benchmarks mujoco_step`. MJX warp runs the copy of mujoco_warp that mujoco-mjx vendors, not "
-        "the installed one. A cell with an error names why that case did not run (reverse mode: the first kernel "
-        "refused, `MujocoStep.reverse_refusals()` lists all). bwd cost: warpnn fwd / warpnn fwd+bwd.",
+        f"Steps per second (worlds x steps / s), a {rows[0]['steps'] if rows else ''}-step rollout; "
+        f"{' / '.join(setups)}. " + "; ".join(f"`{c}`" for c in commands) + ". MJX warp runs the copy of "
+        "mujoco_warp that mujoco-mjx vendors, not the installed one. A cell with an error names why that case did "
+        "not run (reverse mode: the first kernel refused, `MujocoStep.reverse_refusals()` lists all). bwd cost: "
+        "warpnn fwd / warpnn fwd+bwd.",
         "",
         "| model | nv | worlds | " + " | ".join(columns) + " | warpnn / mujoco_warp | bwd cost |",
         "|---|---|---|" + "---|" * (len(columns) + 2),
@@ -258,17 +272,25 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="docs")
     parser.add_argument("--merge", action="store_true", help="keep the rows already in the output file that this run "
                         "does not measure again")
+    parser.add_argument("--table-only", choices=("gpu", "cpu"), help="measure nothing: rewrite the markdown table from "
+                        "the JSON rows already in --out for that device")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.table_only:
+        rows = json.loads((out / f"mujoco-step-{args.table_only}.json").read_text())
+        atomic_write_bytes(out / f"mujoco-step-{args.table_only}.md", markdown(rows).encode())
+        return
     name = f"mujoco-step-{'gpu' if on_gpu else 'cpu'}"
+    measured_with = {"setup": _setup(), "command": "python -m benchmarks mujoco_step " + " ".join(
+        sys.argv[1:] if argv is None else argv)}
     kept = []
     if args.merge and (out / f"{name}.json").exists():
         measuring = {(m, n) for m in args.models for n in args.nworld}
         kept = [r for r in json.loads((out / f"{name}.json").read_text()) if (r["model"], r["nworld"]) not in measuring]
     rows, table = [], kept
     for row in run(args.models, args.nworld, args.steps, args.rounds, args.vmap_up_to):
-        rows.append(row)  # the tables are rewritten after each row: a run cut short keeps what it measured
+        rows.append({**row, **measured_with})  # the tables are rewritten after each row: a run cut short keeps what it measured
         table = sorted(kept + rows, key=lambda r: (list(MODELS).index(r["model"]), r["nworld"]))
         atomic_write_bytes(out / f"{name}.json", (json.dumps(table, indent=1) + "\n").encode())
         atomic_write_bytes(out / f"{name}.md", markdown(table).encode())
