@@ -170,7 +170,7 @@ def _stage_rules(m) -> list:
                               "qfrc_constraint": d.qfrc_constraint, "efc.Ma": d.efc.Ma, "qacc": d.qacc,
                               "contact.friction": d.contact.friction},
     )
-    return [factor_solve, constraint_solve, _position_rule(m), *_contact_rules(m)]
+    return [factor_solve, constraint_solve, _position_rule(m), *_tree_rules(m), *_contact_rules(m)]
 
 
 def _quat_integrate(q, omega, dt):
@@ -226,6 +226,139 @@ def _position_rule(m):
                                                            "qvel_in": qvel_in},
         writes=lambda qpos_out, **_: {"qpos_out": qpos_out},
     )
+
+
+def _rotate(v, q):
+    """mujoco_warp's ``math.rot_vec_quat``: ``v`` (``(..., 3)``) rotated by the quaternion ``q`` (``w, x, y, z``)."""
+    w, u = q[..., :1], q[..., 1:]
+    return (2.0 * jnp.sum(u * v, -1, keepdims=True) * u + (w * w - jnp.sum(u * u, -1, keepdims=True)) * v
+            + 2.0 * w * jnp.cross(u, v))
+
+
+def _quat_multiply(a, b):
+    """mujoco_warp's ``math.mul_quat`` (``w, x, y, z``)."""
+    w1, v1, w2, v2 = a[..., :1], a[..., 1:], b[..., :1], b[..., 1:]
+    return jnp.concatenate([w1 * w2 - jnp.sum(v1 * v2, -1, keepdims=True), w1 * v2 + w2 * v1 + jnp.cross(v1, v2)], -1)
+
+
+def _motion_cross(u, v):
+    """mujoco_warp's ``math.motion_cross`` of two spatial motions (angular, then linear)."""
+    return jnp.concatenate([jnp.cross(u[..., :3], v[..., :3]),
+                            jnp.cross(u[..., 3:], v[..., :3]) + jnp.cross(u[..., :3], v[..., 3:])], -1)
+
+
+def _tree_rules(m) -> list:
+    """The tree walks over branches that share bodies, by rules (``warpnn.StageRule(per_launch=True)``).
+
+    mujoco_warp walks the kinematic tree one thread per branch (a root-to-leaf chain of bodies,
+    ``m.body_branches``): ``smooth._kinematics_branch`` (positions, orientations, joint anchors and axes),
+    ``_comvel_branch`` (spatial velocities and ``cdof_dot``), ``_cacc_branch`` (bias accelerations). Where two
+    branches share a body (a torso with two legs), both threads write it with the same value; a per-kernel adjoint
+    would count its cotangent once per branch, so the tracer refuses those kernels. The rules are the same
+    recursions body by body in JAX (parents precede their children in MuJoCo's body order), checked against the
+    launches when the step is traced. A chain (one branch, or none shared) keeps the per-kernel adjoint the tracer
+    proves right.
+    """
+    import numpy as np
+    from mujoco_warp._src import smooth, types
+
+    branches = np.asarray(m.body_branches.numpy())
+    if branches.size == 0 or np.bincount(branches).max() <= 1:
+        return []
+    parent, jntnum, jntadr, dofadr, dofnum, mocapid = (
+        np.asarray(a.numpy()) for a in (m.body_parentid, m.body_jntnum, m.body_jntadr, m.body_dofadr, m.body_dofnum,
+                                        m.body_mocapid))
+    jnt_type, qposadr = np.asarray(m.jnt_type.numpy()), np.asarray(m.jnt_qposadr.numpy())
+    FREE, BALL, SLIDE = (int(t) for t in (types.JointType.FREE, types.JointType.BALL, types.JointType.SLIDE))
+    nbody, njnt = len(parent), len(jnt_type)
+
+    def per_world(a, nworld):  # a Model array: one row for every world, or one for all
+        return a[jnp.arange(nworld) % a.shape[0]]
+
+    def kinematics(before, after):
+        qpos = before["qpos_in"]
+        world = lambda name: per_world(before[name], qpos.shape[0])  # noqa: E731
+        body_pos, body_quat, jnt_pos, jnt_axis, qpos0 = (
+            world(n) for n in ("body_pos", "body_quat", "jnt_pos", "jnt_axis", "qpos0"))
+        xpos, xquat = [before["xpos_out"][:, 0]], [before["xquat_out"][:, 0]]
+        anchor, axis = list(before["xanchor_out"].transpose(1, 0, 2)), list(before["xaxis_out"].transpose(1, 0, 2))
+        for b in range(1, nbody):
+            j = jntadr[b]
+            if jntnum[b] == 1 and jnt_type[j] == FREE:
+                a = qposadr[j]
+                pos, quat = qpos[:, a:a + 3], qpos[:, a + 3:a + 7]
+                xpos.append(pos)
+                xquat.append(quat / jnp.linalg.norm(quat, axis=-1, keepdims=True))
+                anchor[j], axis[j] = pos, jnt_axis[:, j]
+                continue
+            if mocapid[b] >= 0:
+                pos, quat = before["mocap_pos_in"][:, mocapid[b]], before["mocap_quat_in"][:, mocapid[b]]
+            else:
+                pos, quat = body_pos[:, b], body_quat[:, b]
+            pos = _rotate(pos, xquat[parent[b]]) + xpos[parent[b]]
+            quat = _quat_multiply(xquat[parent[b]], quat)
+            for j in range(jntadr[b], jntadr[b] + jntnum[b]):
+                a = qposadr[j]
+                anchor[j] = _rotate(jnt_pos[:, j], quat) + pos
+                axis[j] = _rotate(jnt_axis[:, j], quat)
+                if jnt_type[j] == BALL:
+                    turn = qpos[:, a:a + 4]
+                    quat = _quat_multiply(quat, turn / jnp.linalg.norm(turn, axis=-1, keepdims=True))
+                    pos = anchor[j] - _rotate(jnt_pos[:, j], quat)
+                elif jnt_type[j] == SLIDE:
+                    pos = pos + axis[j] * (qpos[:, a] - qpos0[:, a])[:, None]
+                else:  # hinge
+                    half = 0.5 * (qpos[:, a] - qpos0[:, a])[:, None]
+                    quat = _quat_multiply(quat, jnp.concatenate([jnp.cos(half), jnt_axis[:, j] * jnp.sin(half)], -1))
+                    pos = anchor[j] - _rotate(jnt_pos[:, j], quat)
+            xpos.append(pos)
+            xquat.append(quat / jnp.linalg.norm(quat, axis=-1, keepdims=True))
+        return {"xpos_out": jnp.stack(xpos, 1), "xquat_out": jnp.stack(xquat, 1),
+                "xanchor_out": jnp.stack(anchor, 1) if njnt else before["xanchor_out"],
+                "xaxis_out": jnp.stack(axis, 1) if njnt else before["xaxis_out"]}
+
+    def comvel(before, after):
+        qvel, cdof = before["qvel_in"], before["cdof_in"]
+        cvel, dot = [before["cvel_out"][:, 0]], list(before["cdof_dot_out"].transpose(1, 0, 2))
+        for b in range(1, nbody):
+            v, d = cvel[parent[b]], dofadr[b]
+            for j in range(jntadr[b], jntadr[b] + jntnum[b]):
+                n, moved = {FREE: 6, BALL: 3}.get(int(jnt_type[j]), 1), 3 if jnt_type[j] == FREE else 0
+                for k in range(moved):  # a free joint's translation: no cdof_dot, moves the frame first
+                    dot[d + k] = jnp.zeros_like(v)
+                    v = v + cdof[:, d + k] * qvel[:, d + k, None]
+                for k in range(moved, n):  # (each with the velocity before any of this joint's rotations)
+                    dot[d + k] = _motion_cross(v, cdof[:, d + k])
+                for k in range(moved, n):
+                    v = v + cdof[:, d + k] * qvel[:, d + k, None]
+                d += n
+            cvel.append(v)
+        return {"cvel_out": jnp.stack(cvel, 1), "cdof_dot_out": jnp.stack(dot, 1)}
+
+    def cacc(before, after):
+        qvel, qacc, cdof, cdof_dot = (before[n] for n in ("qvel_in", "qacc_in", "cdof_in", "cdof_dot_in"))
+        local = cdof_dot * qvel[..., None] + jnp.where(after["flg_acc"], cdof * qacc[..., None], 0.0)
+        acc = [before["cacc_out"][:, 0]]
+        for b in range(1, nbody):
+            acc.append(acc[parent[b]] + local[:, dofadr[b]:dofadr[b] + dofnum[b]].sum(1))
+        return {"cacc_out": jnp.stack(acc, 1)}
+
+    model = ("qpos0", "body_pos", "body_quat", "jnt_pos", "jnt_axis")
+    return [
+        warpnn.StageRule(
+            smooth, "_kinematics_branch", kinematics, per_launch=True,
+            reads=lambda **a: {n: a[n] for n in (*model, "qpos_in", "mocap_pos_in", "mocap_quat_in", "xpos_out",
+                                                  "xquat_out", "xanchor_out", "xaxis_out")},
+            writes=lambda **a: {n: a[n] for n in ("xpos_out", "xquat_out", "xanchor_out", "xaxis_out")}),
+        warpnn.StageRule(
+            smooth, "_comvel_branch", comvel, per_launch=True,
+            reads=lambda **a: {n: a[n] for n in ("qvel_in", "cdof_in", "cvel_out", "cdof_dot_out")},
+            writes=lambda **a: {n: a[n] for n in ("cvel_out", "cdof_dot_out")}),
+        warpnn.StageRule(
+            smooth, "_cacc_branch", cacc, per_launch=True,
+            reads=lambda **a: {n: a[n] for n in ("qvel_in", "qacc_in", "cdof_in", "cdof_dot_in", "cacc_out")},
+            writes=lambda **a: {n: a[n] for n in ("cacc_out",)}),
+    ]
 
 
 def _make_frame(n):
