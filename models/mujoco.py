@@ -170,7 +170,8 @@ def _stage_rules(m) -> list:
                               "qfrc_constraint": d.qfrc_constraint, "efc.Ma": d.efc.Ma, "qacc": d.qacc,
                               "contact.friction": d.contact.friction},
     )
-    return [factor_solve, constraint_solve, _position_rule(m), *_tree_rules(m), *_contact_rules(m)]
+    return [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), *_tree_rules(m),
+            *_contact_rules(m)]
 
 
 def _quat_integrate(q, omega, dt):
@@ -359,6 +360,105 @@ def _tree_rules(m) -> list:
             reads=lambda **a: {n: a[n] for n in ("qvel_in", "qacc_in", "cdof_in", "cdof_dot_in", "cacc_out")},
             writes=lambda **a: {n: a[n] for n in ("cacc_out",)}),
     ]
+
+
+def _safe_norm(v):
+    """``|v|`` over the last axis, with a zero (not NaN) derivative at ``v = 0``."""
+    squared = jnp.sum(v * v, axis=-1, keepdims=True)
+    nonzero = squared > 0
+    return jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, squared, 1.0)), 0.0)
+
+
+def _quat_difference(q, ref):
+    """mujoco_warp's ``math.quat_sub(q, ref)``: the rotation from ``ref`` to ``q`` as a 3D velocity, written so that
+    its derivative at ``q = ref`` is right (``quat_to_vel`` returns 0 there through a branch on ``sin == 0``, whose
+    adjoint is zero; its limit ``axis * 2 / w`` is the value and the derivative)."""
+    conj = ref * jnp.array([1.0, -1.0, -1.0, -1.0], ref.dtype)
+    d = _quat_multiply(conj, q)
+    axis, w = d[..., 1:], d[..., :1]
+    s = _safe_norm(axis)
+    nonzero = s > 0
+    speed = 2.0 * jnp.arctan2(s, w)
+    speed = jnp.where(speed > jnp.pi, speed - 2.0 * jnp.pi, speed)
+    return axis * jnp.where(nonzero, speed / jnp.where(nonzero, s, 1.0), 2.0 / w)
+
+
+def _passive_rule(m):
+    """``passive._spring_damper_dof_passive`` by a rule: it skips a joint's spring, or a dof's damper, whose
+    coefficients are exactly zero (``if damping != 0.0``), and a ball or free joint's rotational spring at its
+    reference orientation (``quat_to_vel``'s ``if sin == 0``). The force is continuous across those points and
+    not zero in its derivative there (``d(-damping qvel)/d damping = -qvel`` at ``damping = 0``), so Warp's
+    adjoint, which sees the branch taken, gives 0 where ``mj_step``'s finite differences do not (measured: the
+    free joint's ``dof_damping`` gradient, 0 against up to 8e-2). The rule computes every joint's spring and every
+    dof's damper without the branches (:func:`_quat_difference`), as the kernel's formulas otherwise.
+    """
+    import numpy as np
+    from mujoco_warp._src import passive, types
+
+    jnt_type, qposadr, dofadr, actuatorid, plasticadr = (
+        np.asarray(a.numpy()) for a in (m.jnt_type, m.jnt_qposadr, m.jnt_dofadr, m.jnt_actuatorid, m.jnt_plasticadr))
+    trntype, trnid = np.asarray(m.actuator_trntype.numpy()), np.asarray(m.actuator_trnid.numpy()).reshape(-1, 2)
+    to_joint = (int(types.TrnType.JOINT), int(types.TrnType.JOINTINPARENT))
+    FREE, BALL = int(types.JointType.FREE), int(types.JointType.BALL)
+    spring_off, damper_off = int(types.DisableBit.SPRING), int(types.DisableBit.DAMPER)
+
+    def actuators_of(j):  # mujoco_warp's util_misc.actuator_target_damping: which actuators add damping to joint j
+        if actuatorid[j] >= 0:
+            return [int(actuatorid[j])]
+        if actuatorid[j] < -1:
+            return [k for k in range(len(trntype)) if trnid[k, 0] == j and trntype[k] in to_joint]
+        return []
+
+    def rule(before, after):
+        qpos, qvel = before["qpos_in"], before["qvel_in"]
+        nworld = qpos.shape[0]
+        world = lambda name: before[name][jnp.arange(nworld) % before[name].shape[0]]  # noqa: E731
+        ref_q, stiffness, spoly, damping, dpoly, act_damping, act_dpoly, gear = (world(n) for n in (
+            "qpos_spring", "jnt_stiffness", "jnt_stiffnesspoly", "dof_damping", "dof_dampingpoly",
+            "actuator_damping", "actuator_dampingpoly", "actuator_gear"))
+        plastic = before["plastic_in"]
+        flags = after["opt_disableflags"]
+        spring, damper = [None] * qvel.shape[1], [None] * qvel.shape[1]
+        for j, kind in enumerate(jnt_type):
+            q, d, p = qposadr[j], dofadr[j], plasticadr[j]
+            k_lin, k_poly = stiffness[:, j, None], spoly[:, j]
+            poly = lambda x: k_lin + k_poly[:, :1] * x + k_poly[:, 1:] * x * x  # noqa: E731 (_poly_force, even)
+            if kind in (FREE, BALL):
+                parts = []
+                if kind == FREE:
+                    dif = qpos[:, q:q + 3] - ref_q[:, q:q + 3]
+                    parts.append(-poly(_safe_norm(dif)) * dif)
+                    q += 3
+                rot = qpos[:, q:q + 4] / jnp.linalg.norm(qpos[:, q:q + 4], axis=-1, keepdims=True)
+                ref = plastic[:, p:p + 4] if kind == BALL and p >= 0 else ref_q[:, q:q + 4]
+                dif = _quat_difference(rot, ref)
+                parts.append(-poly(_safe_norm(dif)) * dif)
+                force = jnp.concatenate(parts, -1)
+            else:
+                ref = plastic[:, p] if p >= 0 else ref_q[:, q]
+                dif = (qpos[:, q] - ref)[:, None]
+                force = -dif * poly(dif)
+            force = jnp.where((flags & spring_off) != 0, 0.0, force)
+            n = force.shape[1]
+            c, c_poly = damping[:, d:d + n], dpoly[:, d:d + n]
+            for a in actuators_of(j):
+                g2 = (gear[:, a, 0] ** 2)[:, None]
+                c, c_poly = c + act_damping[:, a, None] * g2, c_poly + act_dpoly[:, a, None] * g2[..., None]
+            v = qvel[:, d:d + n]
+            friction = -v * (c + c_poly[..., 0] * jnp.abs(v) + c_poly[..., 1] * v * v)  # (_poly_force, odd)
+            friction = jnp.where((flags & damper_off) != 0, 0.0, friction)
+            for i in range(n):
+                spring[d + i], damper[d + i] = force[:, i], friction[:, i]
+        return {"qfrc_spring_out": jnp.stack(spring, 1), "qfrc_damper_out": jnp.stack(damper, 1)}
+
+    floats = ("qpos_spring", "jnt_stiffness", "jnt_stiffnesspoly", "dof_damping", "dof_dampingpoly", "actuator_damping",
+              "actuator_dampingpoly", "actuator_gear", "qpos_in", "qvel_in", "plastic_in")
+    return warpnn.StageRule(
+        passive, "_spring_damper_dof_passive", rule, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in floats},
+        writes=lambda **a: {n: a[n] for n in ("qfrc_spring_out", "qfrc_damper_out")},
+        ignores=lambda **a: {n: a[n] for n in ("qfrc_spring_out", "qfrc_damper_out")},  # (every dof overwritten)
+    )
 
 
 def _make_frame(n):
