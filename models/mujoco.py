@@ -473,6 +473,65 @@ def _make_frame(n):
     return jnp.stack([a, b, jnp.cross(a, b)], axis=-2)
 
 
+def _safe_divide(x, y, ok):
+    """``x / y`` where ``ok``, else 0, with no NaN in the derivative of the branch not taken."""
+    return jnp.where(ok, x / jnp.where(ok, y, 1.0), 0.0)
+
+
+def _sphere_sphere(p1, r1, p2, r2):
+    """mujoco_warp's ``sphere_sphere``: distance between the surfaces, contact position, normal (from 1 to 2)."""
+    gap = p2 - p1
+    length = _safe_norm(gap)
+    normal = jnp.where(length == 0, jnp.array([1.0, 0.0, 0.0], gap.dtype), _safe_divide(gap, length, length > 0))
+    dist = length[..., 0] - (r1 + r2)
+    return dist, p1 + normal * (r1 + 0.5 * dist)[:, None], normal
+
+
+def _plane_capsule_frame(n, axis):
+    """mujoco_warp's ``plane_capsule`` contact frame: rows ``n``, the capsule axis in the plane, their cross."""
+    b = axis - n * jnp.sum(n * axis, -1, keepdims=True)
+    norm = _safe_norm(b)
+    b = _safe_divide(b, norm, norm > 0)
+    up = (-0.5 < n[:, 1:2]) & (n[:, 1:2] < 0.5)
+    b = jnp.where(norm < 0.5, jnp.where(up, jnp.array([0.0, 1.0, 0.0], n.dtype), jnp.array([0.0, 0.0, 1.0], n.dtype)),
+                  b)
+    return jnp.stack([n, b, jnp.cross(n, b)], axis=-2)
+
+
+def _segment_weights(a, b, c, d, pair):
+    """mujoco_warp's ``_segment_weights`` (MuJoCo's ``mjc_segWeights``): weights ``(s, t)`` of the closest points
+    ``a + s (b - a)`` and ``c + t (d - c)``; ``pair`` 1 is the second pair of parallel segments. Each branch as the
+    kernel takes it, divisions guarded so the branches not taken leave no NaN in the derivative."""
+    from mujoco_warp._src.types import MJ_MINVAL
+
+    ab, cd, ca = b - a, d - c, a - c
+    dot = lambda u, v: jnp.sum(u * v, -1)  # noqa: E731
+    dot1, dot2, dot3, dot4, dot5 = dot(ab, ab), dot(cd, cd), dot(cd, ca), dot(ab, ca), dot(ab, cd)
+    point1, point2 = dot1 <= MJ_MINVAL, dot2 <= MJ_MINVAL
+    s0, s1 = _safe_divide(-dot4, dot1, ~point1), _safe_divide(dot5 - dot4, dot1, ~point1)
+
+    def clamped(s, t):  # _clamp_segment_weights
+        return (jnp.where(t < 0, jnp.clip(s0, 0, 1), jnp.where(t > 1, jnp.clip(s1, 0, 1), s)),
+                jnp.where(t < 0, 0.0, jnp.where(t > 1, 1.0, t)))
+
+    cross = jnp.cross(ab, cd)
+    det = dot(cross, cross)
+    crossing = det > 1.0e-8 * dot1 * dot2
+    s = jnp.clip(_safe_divide(dot(cross, jnp.cross(cd, ca)), det, crossing), 0, 1)
+    crossing_w = clamped(s, _safe_divide(dot5 * s + dot3, dot2, ~point2))
+    first = clamped(jnp.zeros_like(dot1), _safe_divide(dot3, dot2, ~point2))
+    second = clamped(jnp.ones_like(dot1), _safe_divide(dot5 + dot3, dot2, ~point2))
+    zero = jnp.zeros_like(dot1)
+    weights = []
+    for k in range(2):
+        w = jnp.where(pair == 1, second[k], jnp.where(crossing, crossing_w[k], first[k]))
+        w = jnp.where(point1 & point2, zero, jnp.where(
+            point1, (zero, jnp.clip(_safe_divide(dot3, dot2, ~point2), 0, 1))[k],
+            jnp.where(point2, (jnp.clip(_safe_divide(-dot4, dot1, ~point1), 0, 1), zero)[k], w)))
+        weights.append(w[:, None])
+    return weights[0], weights[1]
+
+
 def _contact_rules(m) -> list:
     """The collision stages, differentiated by rules (``warpnn.StageRule(per_launch=True)``).
 
@@ -493,8 +552,11 @@ def _contact_rules(m) -> list:
     from mujoco_warp._src import collision_primitive, constraint, types
     from mujoco_warp._src.math import upper_trid_index
 
-    plane, sphere, box = (int(t) for t in (types.GeomType.PLANE, types.GeomType.SPHERE, types.GeomType.BOX))
-    ruled = {(plane, sphere): "plane-sphere", (plane, box): "plane-box", (sphere, sphere): "sphere-sphere"}
+    plane, sphere, capsule, box = (int(t) for t in (types.GeomType.PLANE, types.GeomType.SPHERE,
+                                                     types.GeomType.CAPSULE, types.GeomType.BOX))
+    ruled = {(plane, sphere): "plane-sphere", (plane, box): "plane-box", (sphere, sphere): "sphere-sphere",
+             (plane, capsule): "plane-capsule", (sphere, capsule): "sphere-capsule",
+             (capsule, capsule): "capsule-capsule"}
     geom_type = np.asarray(m.geom_type.numpy())
     geom_priority = np.asarray(m.geom_priority.numpy())
     geom_bodyid = np.asarray(m.geom_bodyid.numpy())
@@ -541,11 +603,32 @@ def _contact_rules(m) -> list:
                             gap / jnp.where(length == 0, 1.0, length)[:, None])
         balls_dist = length - (r1 + r2)
         balls_pos = p1 + between * (r1 + 0.5 * balls_dist)[:, None]
+        # capsules (axis: the geom's z; size: radius, half-length), as collision_primitive_core computes them
+        cid = after["contact_geomcollisionid_out"]
+        axis1, axis2 = xmat[world, g1][:, :, 2], rot2[:, :, 2]
+        half1, half2 = size[slot, g1][:, 1:2], size[slot, g2][:, 1:2]
+        end = p2 + jnp.where(cid == 0, 1.0, -1.0)[:, None] * axis2 * half2  # plane-capsule: contact 0 at +axis
+        plane_cap_dist = jnp.sum((end - p1) * normal, -1) - r2
+        plane_cap_pos = end - normal * (r2 + 0.5 * plane_cap_dist)[:, None]
+        plane_cap_frame = _plane_capsule_frame(normal, axis2)
+        along = jnp.clip(jnp.sum(axis2 * (p1 - p2), -1, keepdims=True), -half2, half2)  # sphere-capsule
+        ball_cap_dist, ball_cap_pos, ball_cap_normal = _sphere_sphere(p1, r1, p2 + axis2 * along, r2)
+        s, t = _segment_weights(p1 - axis1 * half1, p1 + axis1 * half1, p2 - axis2 * half2, p2 + axis2 * half2, cid)
+        caps_dist, caps_pos, caps_normal = _sphere_sphere(p1 + axis1 * half1 * (2 * s - 1), r1,
+                                                          p2 + axis2 * half2 * (2 * t - 1), r2)
         kind = jnp.asarray(geom_type)[g1] * ntypes + jnp.asarray(geom_type)[g2]
-        on_box, balls = kind == plane * ntypes + box, kind == sphere * ntypes + sphere
-        dist = jnp.where(on_box, box_dist, jnp.where(balls, balls_dist, sphere_dist))
-        pos = jnp.where(on_box[:, None], box_pos, jnp.where(balls[:, None], balls_pos, sphere_pos))
-        frame = _make_frame(jnp.where(balls[:, None], between, normal))
+        cases = [(kind == plane * ntypes + box, box_dist, box_pos, normal),
+                 (kind == sphere * ntypes + sphere, balls_dist, balls_pos, between),
+                 (kind == sphere * ntypes + capsule, ball_cap_dist, ball_cap_pos, ball_cap_normal),
+                 (kind == capsule * ntypes + capsule, caps_dist, caps_pos, caps_normal)]
+        dist, pos, towards = sphere_dist, sphere_pos, normal  # (plane-sphere, and slots nothing wrote)
+        for case, case_dist, case_pos, case_normal in cases:
+            dist = jnp.where(case, case_dist, dist)
+            pos, towards = (jnp.where(case[:, None], a, b) for a, b in ((case_pos, pos), (case_normal, towards)))
+        on_plane_cap = kind == plane * ntypes + capsule
+        dist = jnp.where(on_plane_cap, plane_cap_dist, dist)
+        pos = jnp.where(on_plane_cap[:, None], plane_cap_pos, pos)
+        frame = jnp.where(on_plane_cap[:, None, None], plane_cap_frame, _make_frame(towards))
         friction_of = before["geom_friction"][world % before["geom_friction"].shape[0]]
         f1, f2 = friction_of[slot, g1], friction_of[slot, g2]
         q1, q2 = jnp.asarray(geom_priority)[g1][:, None], jnp.asarray(geom_priority)[g2][:, None]
