@@ -5,9 +5,9 @@
 
 Models: two that mujoco_warp ships in ``mujoco_warp/test_data`` (its own benchmarks use them), ``humanoid``
 (27 dofs on a floor, from its first keyframe: contacts and the constraint solver) and ``aloha`` (the ALOHA
-bimanual manipulator with a pot: two 6-dof arms with grippers, mesh collisions), whose reverse mode is refused
-today (contacts; tree walks over branches that share bodies), and ``arm7``, a 7-dof serial arm with motors, joint
-damping and limits and no contact (an MJCF written here), which differentiates. Each world starts from the
+bimanual manipulator with a pot: two 6-dof arms with grippers, mesh collisions, which the contact rules do not
+cover), and ``arm7``, a 7-dof serial arm with motors, joint
+damping and limits and no contact (an MJCF written here); the humanoid and arm7 differentiate. Each world starts from the
 model's first keyframe (or its default state) with its own small random joint velocities. For each model and
 number of worlds it times one rollout of ``--steps`` steps and reports steps per second (worlds x steps / s):
 

@@ -32,7 +32,8 @@ springs and dampers (right where mujoco_warp skips a zero coefficient), the posi
 integration, right at zero angular velocity); the other kernels through their adjoints (those mujoco_warp builds
 with ``enable_backward=False`` rebuilt), with tree walks down a chain, in-place updates and loops bounded by the
 model proven when the step is traced. Refused today, with the reason (``reverse_refusals()``): collision pairs other
-than plane-sphere, plane-box and sphere-sphere, a sparse constraint Jacobian or elliptic cones. See
+than plane-sphere, plane-box, plane-capsule, sphere-sphere, sphere-capsule and capsule-capsule, a sparse constraint
+Jacobian or elliptic cones. See
 ``docs/mujoco.md``.
 
 Example::
@@ -538,8 +539,9 @@ def _contact_rules(m) -> list:
     * ``collision_primitive._primitive_narrowphase``: writes each contact at a slot ``wp.atomic_add`` hands out
       (inside ``write_contact``), through a table of collision functions, which no per-kernel adjoint gets right.
       Rule: the contact's distance, position and frame recomputed in JAX from ``geom_xpos`` / ``geom_xmat`` (and
-      ``geom_size``) for the pair and the collision id the launch left in each written slot (the box's corner),
-      as mujoco_warp's ``plane_sphere``, ``plane_box`` and ``sphere_sphere`` compute them; friction from
+      ``geom_size``) for the pair and the collision id the launch left in each written slot (the box's corner, the
+      capsule's end, the second pair of parallel capsules), as mujoco_warp's ``plane_sphere``, ``plane_box``,
+      ``plane_capsule``, ``sphere_sphere``, ``sphere_capsule`` and ``capsule_capsule`` compute them; friction from
       ``geom_friction``; the other contact parameters are functions of model constants (their values as
       written). Other primitive pairs, or explicit ``<pair>`` contacts, make the rule refuse, naming them.
     * ``constraint._efc_contact_jac_dense``: the contact rows of the dense constraint Jacobian (a tile kernel:
