@@ -23,17 +23,17 @@ The pytrees are dicts of JAX arrays with mujoco_warp's shapes (``qpos``: ``(nwor
 What is checked (``tests/test_models_mujoco.py``): forward under ``jit`` / ``lax.scan`` / ``vmap`` against
 ``mujoco_warp.step`` run directly (bit-equal on an arm and a cart-pole hitting a joint limit) and against
 ``mujoco.mj_step`` (<= 3.5e-6), and a free box landing on a plane (contacts and the constraint solver); reverse mode
-through 1, 10 and 100 steps of the arm and of a box sliding on a plane against central differences of ``mj_step``
-(<= 2e-6), through a branching tree and joint springs (1 and 10 steps, <= 8e-6) and through the cart-pole's active
-limit (5e-5). Stages no per-kernel adjoint gets right are differentiated by rules (:func:`_stage_rules`,
-``warpnn.StageRule``): the inertia solve, the constraint solver (its optimality conditions at the solution), the
-primitive narrowphase and the contact Jacobian (recomputed in JAX), tree walks over branches that share bodies,
-springs and dampers (right where mujoco_warp skips a zero coefficient), the position update (its quaternion
-integration, right at zero angular velocity); the other kernels through their adjoints (those mujoco_warp builds
-with ``enable_backward=False`` rebuilt), with tree walks down a chain, in-place updates and loops bounded by the
-model proven when the step is traced. Refused today, with the reason (``reverse_refusals()``): collision pairs other
-than plane-sphere, plane-box, plane-capsule, sphere-sphere, sphere-capsule and capsule-capsule, a sparse constraint
-Jacobian or elliptic cones. See
+against central differences of ``mj_step``: through 1, 10 and 100 steps of the arm and of a box sliding on a plane
+(<= 2e-6), through 1 and 10 steps of a branching tree with springs (<= 7.6e-5) and of a capsule pile, through a
+step of mujoco_warp's humanoid (<= 4e-5), and through the cart-pole's active limit (5e-5). Stages no per-kernel
+adjoint gets right are differentiated by rules (:func:`_stage_rules`, ``warpnn.StageRule``): the inertia solve, the
+constraint solver (its optimality conditions at the solution), the primitive narrowphase and the contact Jacobian
+(recomputed in JAX), tree walks over branches that share bodies, springs and dampers (right where mujoco_warp skips
+a zero coefficient), the position update (its quaternion integration, right at zero angular velocity); the other
+kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
+down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
+the reason (``reverse_refusals()``): collision pairs other than plane-sphere, plane-box, plane-capsule,
+sphere-sphere, sphere-capsule and capsule-capsule, a sparse constraint Jacobian or elliptic cones. See
 ``docs/mujoco.md``.
 
 Example::

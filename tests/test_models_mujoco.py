@@ -74,8 +74,9 @@ BOX = """
 </mujoco>
 """
 
-# A floating torso with three limbs (a two-hinge leg, a ball-jointed arm, a sliding tail): branches of the tree
-# share the torso, so mujoco_warp's tree walks are differentiated by rules (warpnn_models.mujoco._tree_rules).
+# A floating torso with three limbs (a two-hinge leg, a ball-jointed arm, a sliding tail), springs on the knee and
+# the shoulder: branches of the tree share the torso, so mujoco_warp's tree walks are differentiated by rules
+# (warpnn_models.mujoco._tree_rules), and its springs and dampers by another (_passive_rule).
 TREE = """
 <mujoco model="tree">
   <option timestep="0.01" iterations="4"><flag contact="disable"/></option>
@@ -87,12 +88,12 @@ TREE = """
         <joint name="hip" type="hinge" axis="0 1 0" pos="0 0 0.02" damping="0.1"/>
         <geom type="capsule" fromto="0 0 0 0.3 0 0" size="0.04" mass="0.5"/>
         <body name="shin" pos="0.3 0 0">
-          <joint name="knee" type="hinge" axis="0 0 1" damping="0.1"/>
+          <joint name="knee" type="hinge" axis="0 0 1" damping="0.1" stiffness="1" springref="0.2"/>
           <geom type="capsule" fromto="0 0 0 0.3 0 0" size="0.03" mass="0.3"/>
         </body>
       </body>
       <body name="arm" pos="-0.15 0 0.1">
-        <joint name="shoulder" type="ball" pos="0 0 0.01" damping="0.05"/>
+        <joint name="shoulder" type="ball" pos="0 0 0.01" damping="0.05" stiffness="2"/>
         <geom type="capsule" fromto="0 0 0 -0.3 0 0" size="0.04" mass="0.5"/>
       </body>
       <body name="tail" pos="0 0 -0.2">
@@ -476,7 +477,7 @@ def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box
 def tree():
     mjm, mjd = start(TREE)
     with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=("body_mass", "body_pos", "dof_damping"))
+        step = MujocoStep(mjm, mjd, param_fields=("body_mass", "body_pos", "dof_damping", "jnt_stiffness"))
     return step, mjm
 
 
@@ -485,22 +486,21 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
     """A tree whose branches share a body (the torso): mujoco_warp walks it one thread per root-to-leaf branch, so
     both threads write the shared body, and a per-kernel adjoint would count its cotangent twice. The three walks
     (_kinematics_branch, _comvel_branch, _cacc_branch) are differentiated by rules; jax.grad through 1 and 10
-    steps w.r.t. the initial velocity, the controls, body masses and positions and joint damping (free, hinge,
-    ball and slide joints) matches central differences of mj_step (measured <= 8e-6 relative, 2026-12-05, CPU).
-    The free joint's damping is 0, where mujoco_warp skips the damper (``if damping != 0.0``): its gradient is
-    mj_step's all the same (warpnn_models.mujoco._passive_rule; it was 0 against up to 0.61 over 10 steps)."""
+    steps w.r.t. positions, velocities, controls, body masses and positions, joint damping and stiffness (free,
+    hinge, ball and slide joints) matches central differences of mj_step (measured <= 7.6e-5 relative, 2026-12-05,
+    CPU), from a pose with the ball joint turned and from one with it at its spring's reference orientation.
+
+    mujoco_warp skips what is exactly zero: the free joint's damper (damping 0, ``if damping != 0.0``) and the
+    ball's spring at its reference (``quat_to_vel``'s ``if sin == 0``); the per-kernel adjoint gave 0 there (the
+    free joint's damping gradient against up to 0.61 over 10 steps). Springs and dampers take a rule
+    (warpnn_models.mujoco._passive_rule), so these gradients are mj_step's too."""
     step, mjm = tree
     assert step.reverse_refusals() == {}
     described = step.program.describe()
-    for walk in ("_kinematics_branch", "_comvel_branch", "_cacc_branch"):
-        assert f"stage mujoco_warp._src.smooth.{walk} (" in described
-    mjd = mujoco.MjData(mjm)
-    mjd.qpos[:] = mjm.qpos0
-    mjd.qpos[7:9] = [0.3, -0.4]
-    mjd.qpos[9:13] = np.array([0.9, 0.2, -0.3, 0.1]) / np.linalg.norm([0.9, 0.2, -0.3, 0.1])
-    mjd.qpos[13] = 0.05
-    mjd.qvel[:] = np.random.default_rng(0).normal(size=mjm.nv) * 0.5
-    mjd.ctrl[:] = [0.2, -0.1]
+    for stage in ("smooth._kinematics_branch", "smooth._comvel_branch", "smooth._cacc_branch",
+                  "passive._spring_damper_dof_passive"):
+        assert f"stage mujoco_warp._src.{stage} (" in described
+    assert (mjm.dof_damping[:6] == 0).all()
     weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
     s0 = step.initial_state()
 
@@ -508,46 +508,22 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
         final, _ = rollout(step, {**s0, "qpos": qpos, "qvel": qvel, "ctrl": ctrl}, params=params, num_steps=steps)
         return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
 
-    got = jax.jit(jax.grad(loss, argnums=(1, 2, 3)))(*(jnp.asarray(a[None], jnp.float32) for a in (
-        mjd.qpos, mjd.qvel, mjd.ctrl)), step.initial_params())
-    checks = [(got[0], lambda m, d: d.qvel), (got[1], lambda m, d: d.ctrl),
-              (got[2]["body_mass"], lambda m, d: m.body_mass), (got[2]["body_pos"], lambda m, d: m.body_pos),
-              (got[2]["dof_damping"], lambda m, d: m.dof_damping)]
-    assert (mjm.dof_damping[:6] == 0).all()
-    for value, where in checks:
-        expected = mj_step_gradient(mjm, mjd, steps, weights, where)
-        np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
-
-
-@pytest.mark.parametrize("steps", [1, 10])
-def test_springs_differentiate_at_their_reference(steps):
-    """Joint springs (a ball joint starting exactly at its reference orientation, a hinge with a spring reference)
-    and dampers: mujoco_warp's ``quat_to_vel`` returns 0 through a branch at the reference (``if sin == 0``), whose
-    adjoint is zero; the passive rule's quaternion difference has the limit's derivative. jax.grad w.r.t. qpos,
-    qvel, dof_damping and jnt_stiffness against central differences of mj_step (measured <= 2e-6, CPU)."""
-    xml = TREE.replace('type="ball" pos="0 0 0.01" damping="0.05"', 'type="ball" pos="0 0 0.01" damping="0.05" '
-                       'stiffness="2"').replace('axis="0 0 1" damping="0.1"', 'axis="0 0 1" damping="0.1" '
-                                                'stiffness="1" springref="0.2"')
-    mjm, mjd = start(xml)
-    step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "jnt_stiffness"))
-    assert step.reverse_refusals() == {}
-    mjd.qpos[7:9] = [0.3, -0.4]  # (the ball at its reference, qpos0: identity)
-    mjd.qvel[:] = np.random.default_rng(1).normal(size=mjm.nv) * 0.5
-    weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
-    s0 = step.initial_state()
-
-    def loss(qpos, qvel, params):
-        final, _ = rollout(step, {**s0, "qpos": qpos, "qvel": qvel}, params=params, num_steps=steps)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
-
-    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jnp.asarray(mjd.qpos[None], jnp.float32),
-                                                     jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params())
-    checks = [(got[0], lambda m, d: d.qpos), (got[1], lambda m, d: d.qvel),
-              (got[2]["dof_damping"], lambda m, d: m.dof_damping),
-              (got[2]["jnt_stiffness"], lambda m, d: m.jnt_stiffness)]
-    for value, where in checks:
-        expected = mj_step_gradient(mjm, mjd, steps, weights, where)
-        np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    for shoulder in ([0.9, 0.2, -0.3, 0.1], [1.0, 0.0, 0.0, 0.0]):  # turned; at the spring's reference
+        mjd = mujoco.MjData(mjm)
+        mjd.qpos[:] = mjm.qpos0
+        mjd.qpos[7:9] = [0.3, -0.4]
+        mjd.qpos[9:13] = np.array(shoulder) / np.linalg.norm(shoulder)
+        mjd.qpos[13] = 0.05
+        mjd.qvel[:] = np.random.default_rng(0).normal(size=mjm.nv) * 0.5
+        mjd.ctrl[:] = [0.2, -0.1]
+        got = grad(*(jnp.asarray(a[None], jnp.float32) for a in (mjd.qpos, mjd.qvel, mjd.ctrl)),
+                   step.initial_params())
+        checks = [(got[0], lambda m, d: d.qpos), (got[1], lambda m, d: d.qvel), (got[2], lambda m, d: d.ctrl)]
+        checks += [(got[3][name], lambda m, d, name=name: getattr(m, name)) for name in step.param_fields]
+        for value, where in checks:
+            expected = mj_step_gradient(mjm, mjd, steps, weights, where)
+            np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
 
 
 def test_contacts_the_rules_do_not_cover_are_refused_naming_the_stage():
