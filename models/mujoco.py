@@ -185,10 +185,7 @@ def _quat_integrate(q, omega, dt):
     nonzero = squared > 0
     angle = jnp.where(nonzero, dt * jnp.sqrt(jnp.where(nonzero, squared, 1.0)), 0.0)
     turn = jnp.concatenate([jnp.cos(angle / 2), omega * dt / 2 * jnp.sinc(angle / (2 * jnp.pi))], axis=-1)
-    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
-    w1, v1, w2, v2 = q[..., :1], q[..., 1:], turn[..., :1], turn[..., 1:]
-    product = jnp.concatenate([w1 * w2 - jnp.sum(v1 * v2, -1, keepdims=True),
-                               w1 * v2 + w2 * v1 + jnp.cross(v1, v2)], axis=-1)
+    product = _quat_multiply(q / jnp.linalg.norm(q, axis=-1, keepdims=True), turn)
     return product / jnp.linalg.norm(product, axis=-1, keepdims=True)
 
 
@@ -230,6 +227,12 @@ def _position_rule(m):
                                                            "qvel_in": qvel_in},
         writes=lambda qpos_out, **_: {"qpos_out": qpos_out},
     )
+
+
+def _per_world(a, nworld):
+    """A Model array's rows for each of ``nworld`` worlds (mujoco_warp keeps one row for every world, or one for
+    all: ``a[worldid % a.shape[0]]``)."""
+    return a[jnp.arange(nworld) % a.shape[0]]
 
 
 def _rotate(v, q):
@@ -276,12 +279,9 @@ def _tree_rules(m) -> list:
     FREE, BALL, SLIDE = (int(t) for t in (types.JointType.FREE, types.JointType.BALL, types.JointType.SLIDE))
     nbody, njnt = len(parent), len(jnt_type)
 
-    def per_world(a, nworld):  # a Model array: one row for every world, or one for all
-        return a[jnp.arange(nworld) % a.shape[0]]
-
     def kinematics(before, after):
         qpos = before["qpos_in"]
-        world = lambda name: per_world(before[name], qpos.shape[0])  # noqa: E731
+        world = lambda name: _per_world(before[name], qpos.shape[0])  # noqa: E731
         body_pos, body_quat, jnt_pos, jnt_axis, qpos0 = (
             world(n) for n in ("body_pos", "body_quat", "jnt_pos", "jnt_axis", "qpos0"))
         xpos, xquat = [before["xpos_out"][:, 0]], [before["xquat_out"][:, 0]]
@@ -415,7 +415,7 @@ def _passive_rule(m):
     def rule(before, after):
         qpos, qvel = before["qpos_in"], before["qvel_in"]
         nworld = qpos.shape[0]
-        world = lambda name: before[name][jnp.arange(nworld) % before[name].shape[0]]  # noqa: E731
+        world = lambda name: _per_world(before[name], nworld)  # noqa: E731
         ref_q, stiffness, spoly, damping, dpoly, act_damping, act_dpoly, gear = (world(n) for n in (
             "qpos_spring", "jnt_stiffness", "jnt_stiffnesspoly", "dof_damping", "dof_dampingpoly",
             "actuator_damping", "actuator_dampingpoly", "actuator_gear"))

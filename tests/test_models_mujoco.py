@@ -572,13 +572,21 @@ def contact_gradients(step, mjm, mjd, steps):
             (np.ravel(got[1]["geom_friction"]), mj_step_gradient(mjm, mjd, steps, weights, lambda m, d: m.geom_friction))]
 
 
+@pytest.fixture(scope="module")
+def capsules():
+    mjm, mjd = start(CAPSULES)
+    with on_one_device():
+        step = MujocoStep(mjm, mjd, param_fields=("geom_friction",))
+    return step, mjm, mjd
+
+
 @pytest.mark.parametrize("steps", [1, 10])
-def test_capsule_contacts_differentiate(steps):
+def test_capsule_contacts_differentiate(capsules, steps):
     """Plane-capsule, sphere-capsule and capsule-capsule contacts (parallel capsules: the second closest pair
     too), by the narrowphase rule: jax.grad through 1 and 10 steps w.r.t. the initial velocities and geom_friction
     against central differences of mj_step (measured <= 1.2e-5 relative, 2026-12-05, CPU)."""
-    mjm, mjd = start(CAPSULES)
-    step = MujocoStep(mjm, mjd, param_fields=("geom_friction",))
+    step, mjm, mjd = capsules
+    mjd = copy.copy(mjd)
     assert step.reverse_refusals() == {}
     pairs = {tuple(sorted((int(mjm.geom_type[c.geom1]), int(mjm.geom_type[c.geom2])))) for c in mjd.contact[:mjd.ncon]}
     assert pairs == {(2, 3), (3, 3)}  # (sphere-capsule, capsule-capsule at the start; the plane within steps)
