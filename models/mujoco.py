@@ -383,7 +383,7 @@ def _quat_difference(q, ref):
     nonzero = s > 0
     speed = 2.0 * jnp.arctan2(s, w)
     speed = jnp.where(speed > jnp.pi, speed - 2.0 * jnp.pi, speed)
-    return axis * jnp.where(nonzero, speed / jnp.where(nonzero, s, 1.0), 2.0 / w)
+    return axis * jnp.where(nonzero, speed / jnp.where(nonzero, s, 1.0), 2.0 / jnp.where(nonzero, 1.0, w))
 
 
 def _passive_rule(m):
