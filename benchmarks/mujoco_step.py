@@ -6,10 +6,10 @@
 Models: two that mujoco_warp ships in ``mujoco_warp/test_data`` (its own benchmarks use them), ``humanoid``
 (27 dofs on a floor, from its first keyframe: contacts and the constraint solver) and ``aloha`` (the ALOHA
 bimanual manipulator with a pot: two 6-dof arms with grippers, mesh collisions, which the contact rules do not
-cover), and ``arm7``, a 7-dof serial arm with motors, joint
-damping and limits and no contact (an MJCF written here); the humanoid and arm7 differentiate. Each world starts from the
-model's first keyframe (or its default state) with its own small random joint velocities. For each model and
-number of worlds it times one rollout of ``--steps`` steps and reports steps per second (worlds x steps / s):
+cover), and ``arm7``, a 7-dof serial arm with motors, joint damping and limits and no contact (an MJCF written
+here); the humanoid and arm7 differentiate. Each world starts from the model's first keyframe (or its default
+state) with its own small random joint velocities. For each model and number of worlds it times one rollout of
+``--steps`` steps and reports steps per second (worlds x steps / s):
 
 * warpnn fwd: ``jax.jit`` of a ``lax.scan`` over :class:`warpnn_models.mujoco.MujocoStep` (``warpnn.trace`` of
   one ``mujoco_warp.step``) with ``nworld`` worlds: one launch per kernel for all of them, as mujoco_warp;
@@ -290,7 +290,8 @@ def main(argv=None) -> None:
         kept = [r for r in json.loads((out / f"{name}.json").read_text()) if (r["model"], r["nworld"]) not in measuring]
     rows, table = [], kept
     for row in run(args.models, args.nworld, args.steps, args.rounds, args.vmap_up_to):
-        rows.append({**row, **measured_with})  # the tables are rewritten after each row: a run cut short keeps what it measured
+        # the tables are rewritten after each row: a run cut short keeps what it measured
+        rows.append({**row, **measured_with})
         table = sorted(kept + rows, key=lambda r: (list(MODELS).index(r["model"]), r["nworld"]))
         atomic_write_bytes(out / f"{name}.json", (json.dumps(table, indent=1) + "\n").encode())
         atomic_write_bytes(out / f"{name}.md", markdown(table).encode())

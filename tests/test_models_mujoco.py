@@ -568,8 +568,9 @@ def contact_gradients(step, mjm, mjd, steps):
         return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
 
     got = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params())
+    friction = mj_step_gradient(mjm, mjd, steps, weights, lambda m, d: m.geom_friction)
     return [(np.ravel(got[0]), mj_step_gradient(mjm, mjd, steps, weights, lambda m, d: d.qvel)),
-            (np.ravel(got[1]["geom_friction"]), mj_step_gradient(mjm, mjd, steps, weights, lambda m, d: m.geom_friction))]
+            (np.ravel(got[1]["geom_friction"]), friction)]
 
 
 @pytest.fixture(scope="module")
