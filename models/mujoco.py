@@ -598,13 +598,7 @@ def _contact_rules(m) -> list:
         corner = jnp.einsum("cij,cj->ci", rot2, jnp.where(bits == 1, 1.0, -1.0) * size[slot, g2])
         box_dist = jnp.sum((p2 - p1) * normal, -1) + jnp.sum(normal * corner, -1)
         box_pos = corner + p2 - 0.5 * normal * box_dist[:, None]
-        # sphere-sphere
-        gap = p2 - p1
-        length = jnp.linalg.norm(gap, axis=-1)
-        between = jnp.where((length == 0)[:, None], jnp.array([1.0, 0.0, 0.0], gap.dtype),
-                            gap / jnp.where(length == 0, 1.0, length)[:, None])
-        balls_dist = length - (r1 + r2)
-        balls_pos = p1 + between * (r1 + 0.5 * balls_dist)[:, None]
+        balls_dist, balls_pos, between = _sphere_sphere(p1, r1, p2, r2)
         # capsules (axis: the geom's z; size: radius, half-length), as collision_primitive_core computes them
         cid = after["contact_geomcollisionid_out"]
         axis1, axis2 = xmat[world, g1][:, :, 2], rot2[:, :, 2]

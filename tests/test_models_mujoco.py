@@ -416,12 +416,17 @@ def test_cartpole_with_joint_limit_equals_mujoco_warp_and_differentiates_through
         np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
 
 
-@pytest.fixture(scope="module")
-def box():
-    mjm, mjd = start(BOX)
+def traced_with_friction(xml):
+    """A model's step traced with ``geom_friction`` as a parameter, its MjModel and starting MjData."""
+    mjm, mjd = start(xml)
     with on_one_device():
         step = MujocoStep(mjm, mjd, param_fields=("geom_friction",))
     return step, mjm, mjd
+
+
+@pytest.fixture(scope="module")
+def box():
+    return traced_with_friction(BOX)
 
 
 def test_box_falling_onto_a_plane(box):
@@ -575,10 +580,7 @@ def contact_gradients(step, mjm, mjd, steps):
 
 @pytest.fixture(scope="module")
 def capsules():
-    mjm, mjd = start(CAPSULES)
-    with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=("geom_friction",))
-    return step, mjm, mjd
+    return traced_with_friction(CAPSULES)
 
 
 @pytest.mark.parametrize("steps", [1, 10])
