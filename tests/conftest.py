@@ -49,6 +49,8 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_addoption(parser):
     parser.addoption("--corpus-full", action="store_true", default=False,
                      help="cross-check the access facts over every corpus package, warp.examples included (slow)")
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow on a CPU-only machine (a GPU host always runs them)")
 
 
 # The longest tests (tens of seconds of subprocesses each on a 2-core machine), in the order they start. Under
@@ -70,10 +72,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: _slow_first(item.nodeid))  # stable: collection order otherwise
     if jax.default_backend() == "gpu":
         return
+    # (the suite keeps under 10 minutes on CI's 2-core machine; a GPU host runs these, or pytest --slow here)
+    skip_slow = None if config.getoption("--slow") else pytest.mark.skip(reason="slow on a CPU: pytest --slow runs it")
     skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.default_backend() != 'gpu')")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+        elif skip_slow is not None and "slow" in item.keywords:
+            item.add_marker(skip_slow)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -291,6 +291,7 @@ def test_newton_featherstone_launches():
 
 
 @pytest.mark.quick_compile
+@pytest.mark.slow  # (110 s of CI's CPU; the box's step end to end: tests/test_models_mujoco.py)
 @pytest.mark.parametrize("half", [0, 1])
 def test_mujoco_warp_step_launches(half):
     """The box's kernels in two interleaved halves (each compiles its kernels' twins: on a cold Warp cache the

@@ -531,6 +531,18 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
             np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
 
 
+def test_float_equality_branches_left_to_warps_adjoint_are_listed(tree):
+    """Where the tree's step still takes Warp's adjoint of a float ``==``/``!=`` branch (its gradient there is the
+    side taken, exact only off the boundary), ``equality_branches`` names the place. The springs and dampers do not
+    appear: their rule has no such branch (``if damping != 0.0`` made d/d(dof_damping) zero at damping 0)."""
+    step, _ = tree
+    listed = step.program.equality_branches()
+    assert listed and not any(key.startswith("_spring_damper_dof_passive") for key in listed), sorted(listed)
+    transmission = next(places for key, places in listed.items() if key.startswith("_transmission"))
+    assert any(place.startswith("@wp.func 'quat_to_vel'") and "if sin_a_2 == 0.0:" in place for place in transmission)
+    assert all("==" in place or "!=" in place for places in listed.values() for place in places)
+
+
 def test_contacts_the_rules_do_not_cover_are_refused_naming_the_stage():
     """A cylinder on a plane: the narrowphase rule computes contacts between planes, spheres, capsules and boxes
     on planes; this pair makes it refuse, and reverse mode through the step is refused naming the stage, never

@@ -9,6 +9,7 @@ import pytest
 import warp as wp
 
 import warpnn
+from warpnn._access import codegen_facts
 from warpnn._signature import kernel_array_uses
 
 from .helpers import assert_close
@@ -758,3 +759,39 @@ def test_a_launch_that_writes_only_integers_needs_no_adjoint():
 
     grad = jax.jit(jax.grad(lambda x: (weights * program({"x": x})["y"]).sum()))(jnp.asarray(x_np))
     assert_close(grad, jax.grad(reference)(jnp.asarray(x_np)), rtol=1e-5)
+
+
+@wp.func
+def damping_force(damping: float, v: float):
+    if damping != 0.0:  # (mujoco_warp's passive forces skip a zero damper so)
+        return -damping * v
+    return 0.0
+
+
+@wp.kernel
+def damped(damping: wp.array(dtype=float), v: wp.array(dtype=float), n: int, f: wp.array(dtype=float)):
+    i = wp.tid()
+    if i < n:  # (an integer comparison: not listed)
+        f[i] = damping_force(damping[i], v[i]) + wp.where(v[i] == 0.0, 1.0, 0.0)
+
+
+def test_equality_branches_are_listed_where_the_gradient_is_the_side_taken():
+    """Warp's adjoint of a float ``==``/``!=`` branch is the derivative off its boundary and the side taken on it:
+    the program lists the places, inside ``@wp.func``s too, from Warp's code generator."""
+    damping, v, f = (wp.array(np.zeros(2), dtype=float) for _ in range(3))
+    program = warpnn.trace(lambda: wp.launch(damped, 2, inputs=[damping, v, 2], outputs=[f]),
+                           inputs={"damping": damping, "v": v}, outputs={"f": f})
+    places = program.equality_branches()[damped.key]
+    func_line, kernel_line = damping_force.func.__code__.co_firstlineno + 2, damped.func.__code__.co_firstlineno + 4
+    assert sorted(places) == [f"'damped' (line {kernel_line}): f[i] = damping_force(damping[i], v[i]) + "
+                              "wp.where(v[i] == 0.0, 1.0, 0.0)",
+                              f"@wp.func 'damping_force' (line {func_line}): if damping != 0.0:  # (mujoco_warp's "
+                              "passive forces skip a zero damper so)"]
+
+    def d_damping(value):
+        return jax.grad(lambda d: program({"damping": d, "v": jnp.full(2, 3.0)})["f"].sum())(jnp.full(2, value))
+
+    assert_close(d_damping(0.5), [-3.0, -3.0])  # off the boundary: the derivative (-v)
+    assert_close(d_damping(0.0), [0.0, 0.0])  # on it: the side taken, as listed
+    # the single-kernel bridge's facts are the same
+    assert codegen_facts(damped).equality_branches == places

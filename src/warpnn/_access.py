@@ -578,11 +578,14 @@ class CodegenFacts:
     kernel: its launch then reports why). ``adjoint_problems``: why Warp's adjoint of the kernel (or of a
     ``@wp.func`` whose generated adjoint it uses) would be silently wrong, one reason per place: a dynamic loop
     (``_loop_problem``, ``_early_exit_problem``), a call Warp has no adjoint for (``_adjointless_call_problem``) or a
-    ``wp.grad`` call (``_grad_call_problem``).
+    ``wp.grad`` call (``_grad_call_problem``). ``equality_branches``: where that code compares floats with ``==`` or
+    ``!=`` (``_equality_branch``), one place each: its adjoint is right wherever the compared values differ, and at
+    equality it is the adjoint of the side taken.
     """
 
     access: dict[str, tuple[bool, bool]] | None
     adjoint_problems: tuple[str, ...] = ()
+    equality_branches: tuple[str, ...] = ()
 
 
 _CODEGEN_FACTS: dict[int, tuple[Any, CodegenFacts]] = {}
@@ -652,9 +655,10 @@ def codegen_facts(kernel) -> CodegenFacts:
                           if wp.types.is_array(a.type)}
             finally:
                 codegen.options = previous
-        facts = CodegenFacts(access, watch.problems_reaching(kernel.adj))
     except Exception:  # noqa: BLE001 - Warp cannot generate the kernel: its launch reports why
         facts = CodegenFacts(None)
+    else:  # (outside the try: a failure of warpnn's own walk raises, it never passes as "no problems")
+        facts = CodegenFacts(access, watch.problems_reaching(kernel.adj), watch.equalities_reaching(kernel.adj))
     _CODEGEN_FACTS[id(kernel)] = (kernel, facts)
     return facts
 
@@ -675,10 +679,11 @@ def codegen_facts(kernel) -> CodegenFacts:
 class _AdjointWatch:
     """Records, while Warp generates code, where each function's generated adjoint would be silently wrong: its
     dynamic loops (the variables they change, early exits), its calls of builtins without an adjoint and its
-    ``wp.grad(f)`` calls (forward-only in Warp)."""
+    ``wp.grad(f)`` calls (forward-only in Warp); and its float equality comparisons."""
 
     def __init__(self):
         self._problems: dict[int, list[str]] = {}  # id of a kernel's or function's Adjoint: its problems
+        self._equalities: dict[int, list[str]] = {}  # likewise: its float equality comparisons
         self._loops: list[ast.AST] = []
         self._dynamic: list[bool] = []  # per loop being generated: whether Warp emits it as a dynamic loop
         self._grad_call_problems: dict[int, list[str]] = {}  # the wp.grad calls among them
@@ -691,6 +696,15 @@ class _AdjointWatch:
         """The problems of the kernel's loops and of those of the ``@wp.func``s whose generated adjoint the
         kernel's adjoint runs: the functions it calls, less those with a custom gradient (``@wp.func_grad``,
         their generated adjoint is not used) and their callees reached only through them."""
+        return self._reaching(kernel_adj, self._problems, self._grad_call_problems)
+
+    def equalities_reaching(self, kernel_adj) -> tuple[str, ...]:
+        """The float equality comparisons in the code whose generated adjoint the kernel's adjoint runs (the
+        functions ``problems_reaching`` walks)."""
+        return self._reaching(kernel_adj, self._equalities, {})
+
+    @staticmethod
+    def _reaching(kernel_adj, per_function: dict[int, list[str]], without_reverse: dict[int, list[str]]):
         found, seen, todo = [], set(), [kernel_adj]
         while todo:
             adj = todo.pop()
@@ -698,10 +712,10 @@ class _AdjointWatch:
                 continue
             if adj.skip_reverse_codegen or adj.custom_reverse_mode:
                 # Warp makes no reverse call of a function that calls wp.grad, its @wp.func_grad included
-                found += self._grad_call_problems.get(id(adj), [])
+                found += without_reverse.get(id(adj), [])
                 continue
             seen.add(id(adj))
-            found += self._problems.get(id(adj), [])
+            found += per_function.get(id(adj), [])
             todo += [f.adj for f in getattr(adj, "called_user_functions", {}) if getattr(f, "adj", None) is not None]
         return tuple(dict.fromkeys(found))
 
@@ -762,16 +776,28 @@ class _AdjointWatch:
                 watch._grad_call_problems.setdefault(id(adj), []).append(problem)
             return add_grad_call(adj, func, args, kwargs)
 
-        add_call, add_grad_call = adjoint_class.add_call, adjoint_class.add_grad_call
+        def on_add_comp(adj, op_strings, left, comps):
+            if not adj.custom_reverse_mode:
+                try:
+                    place = _equality_branch(adj, op_strings, [left, *comps])
+                except Exception as e:  # noqa: BLE001 - a comparison warpnn cannot judge is listed, never passed
+                    place = f"{_in_function(adj)[1]}{_at_statement(adj)}: a comparison ({type(e).__name__}: {e})"
+                if place is not None:
+                    watch._equalities.setdefault(id(adj), []).append(place)
+            return add_comp(adj, op_strings, left, comps)
+
+        add_call, add_grad_call, add_comp = adjoint_class.add_call, adjoint_class.add_grad_call, adjoint_class.add_comp
         visitors[ast.For], visitors[ast.While] = on_loop(emit_for), on_loop(emit_while)
         adjoint_class.materialize_redefinitions = on_materialize
         adjoint_class.add_call, adjoint_class.add_grad_call = on_add_call, on_add_grad_call
+        adjoint_class.add_comp = on_add_comp
         try:
             yield self
         finally:
             visitors[ast.For], visitors[ast.While] = emit_for, emit_while
             adjoint_class.materialize_redefinitions = materialize
             adjoint_class.add_call, adjoint_class.add_grad_call = add_call, add_grad_call
+            adjoint_class.add_comp = add_comp
 
 
 # Builtins Warp marks as having no adjoint whose zero derivative is the right one (piecewise constant in their
@@ -852,6 +878,23 @@ def _replayless_value_problem(adj, func, return_value_used: bool) -> str | None:
         return None  # (a twin that records the value for its adjoint: _recorded.py)
     return (f"{_in_function(adj)[1]} uses the value wp.{func.key} returns{_at_statement(adj)}: Warp's adjoint does "
             "not run the atomic again, so what follows it replays with another value")
+
+
+def _equality_branch(adj, op_strings, operands: list) -> str | None:
+    """Where a comparison compares floats with ``==`` or ``!=`` (``if d != 0.0:``, ``wp.where(y == 0.0, ...)``), as
+    ``@wp.func 'name' (line N): source``; None for other comparisons.
+
+    Off its boundary such a comparison is constant in a neighbourhood of the values, so the adjoint of the side taken
+    is the derivative there. At equality it is still the side taken, which is the derivative only if the two sides
+    agree to first order: mujoco_warp's ``if damping != 0.0: qfrc -= damping * qvel`` gives d/d(damping) = 0 at
+    damping 0, where the derivative is -qvel (measured: 0 where central differences of mj_step give 7.7e-2). Whether
+    the sides agree is beyond what the code says, so this is a fact reported, not a refusal (``WarpProgram.
+    equality_branches``)."""
+    if not any(op in ("==", "!=") for op in op_strings) or not any(_float_valued(v) for v in operands):
+        return None
+    lines, line = getattr(adj, "source_lines", None), getattr(adj, "lineno", None)
+    source = lines[line].strip() if lines and isinstance(line, int) and 0 <= line < len(lines) else "?"
+    return f"{_in_function(adj)[1]}{_at_statement(adj)}: {source}"
 
 
 def _grad_call_problem(adj, func) -> str:

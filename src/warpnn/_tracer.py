@@ -360,6 +360,26 @@ class WarpProgram:
                 refused.setdefault(_launched_key(op.kernel), "; ".join(reasons))
         return refused
 
+    def equality_branches(self) -> dict[str, tuple[str, ...]]:
+        """Where the kernels that reverse mode differentiates with Warp's adjoint compare floats with ``==`` or
+        ``!=``, ``{kernel key: (place, ...)}``, from Warp's code generator (``_access.CodegenFacts``).
+
+        Their gradient is right wherever the compared values differ. At exact equality it is the derivative of the
+        side taken, which is wrong where the other side adds a term that vanishes there but whose derivative does
+        not (``if damping != 0.0: f -= damping * v`` at damping 0: d/d(damping) is 0, not -v). Launches a stage
+        rule replaces, launches refused and launches that write no floats are not listed."""
+        ruled = {i for stage in self._stages.values() for i in range(stage.start, stage.end)}
+        refused = self.reverse_refusals()
+        found: dict[str, tuple[str, ...]] = {}
+        for i, op in enumerate(self._ops):
+            if not isinstance(op, _Launch) or i in ruled or _launched_key(op.kernel) in refused:
+                continue
+            sig = signature_of(op.kernel, op.num_outputs, list(op.in_out_names), op.block_dim)
+            places = _access.codegen_facts(op.kernel).equality_branches if sig.float_results else ()
+            if places:
+                found[_launched_key(op.kernel)] = places
+        return found
+
     def launches(self) -> tuple[LaunchRecord, ...]:
         """The recorded kernel launches, in order: what each replays (see :class:`LaunchRecord`)."""
         return tuple(LaunchRecord(op.kernel, op.dims, op.block_dim, op.num_outputs, op.in_out_names, op.output_dims)
