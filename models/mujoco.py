@@ -173,8 +173,8 @@ def _stage_rules(m) -> list:
                               "qfrc_constraint": d.qfrc_constraint, "efc.Ma": d.efc.Ma, "qacc": d.qacc,
                               "contact.friction": d.contact.friction},
     )
-    return [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), *_tree_rules(m),
-            *_contact_rules(m)]
+    return [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
+            *_tree_rules(m), *_contact_rules(m)]
 
 
 def _quat_integrate(q, omega, dt):
@@ -384,6 +384,45 @@ def _quat_difference(q, ref):
     speed = 2.0 * jnp.arctan2(s, w)
     speed = jnp.where(speed > jnp.pi, speed - 2.0 * jnp.pi, speed)
     return axis * jnp.where(nonzero, speed / jnp.where(nonzero, s, 1.0), 2.0 / jnp.where(nonzero, 1.0, w))
+
+
+def _applied_force_rule(m):
+    """``support._apply_ft`` by a rule: it maps each body's applied force and torque (``xfrc_applied``, fluid forces)
+    to the dofs whose subtree holds the body, and skips a body whose force is exactly zero (``if ft_body ==
+    wp.spatial_vector(): continue``). The map is linear in the force, so Warp's adjoint, which sees the branch
+    taken, gives a zero derivative w.r.t. every body left unforced: measured, d/d(xfrc_applied) at zero was 0
+    where ``mj_step``'s central differences give up to 8.6 (a step of the branching tree). The rule sums every body
+    of the subtree, as the kernel's formula otherwise.
+    """
+    import numpy as np
+    from mujoco_warp._src import support
+
+    rootid, dof_bodyid, subtreenum = (np.asarray(a.numpy()) for a in (m.body_rootid, m.dof_bodyid,
+                                                                       m.body_subtreenum))
+    in_subtree = np.zeros((len(dof_bodyid), len(subtreenum)), bool)  # [dof, body]: the body moves with the dof
+    for dof, body in enumerate(dof_bodyid):
+        in_subtree[dof, body:body + subtreenum[body]] = True
+    root_com = rootid[dof_bodyid]  # (each dof's lever arms are taken about its tree root's subtree centre of mass)
+
+    def rule(before, after):
+        cdof, ft, xipos = before["cdof_in"], before["ft_in"], before["xipos_in"]  # cdof: rotation, then translation
+        force, torque = ft[..., :3], ft[..., 3:]  # (xfrc_applied's order)
+        com = before["subtree_com_in"][:, root_com]  # (nworld, nv, 3)
+        # sum over the subtree of lin . f + rot . (t + (xipos - com) x f), the sums taken first
+        subtree = jnp.asarray(in_subtree, ft.dtype)
+        f_sum = jnp.einsum("vb,wbk->wvk", subtree, force)
+        t_sum = jnp.einsum("vb,wbk->wvk", subtree, torque + jnp.cross(xipos, force)) - jnp.cross(com, f_sum)
+        qfrc = jnp.sum(cdof[..., 3:] * f_sum + cdof[..., :3] * t_sum, -1)
+        return {"qfrc_out": before["qfrc_out"] + qfrc if "qfrc_out" in before else qfrc}  # (read: flg_add)
+
+    def reads(flg_add, **a):
+        return {n: a[n] for n in ("xipos_in", "subtree_com_in", "cdof_in", "ft_in", *(("qfrc_out",) * flg_add))}
+
+    return warpnn.StageRule(
+        support, "_apply_ft", rule, per_launch=True, reads=reads,
+        writes=lambda qfrc_out, **_: {"qfrc_out": qfrc_out},
+        ignores=lambda qfrc_out, flg_add, **_: {} if flg_add else {"qfrc_out": qfrc_out},  # (overwritten)
+    )
 
 
 def _passive_rule(m):
