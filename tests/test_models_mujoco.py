@@ -633,6 +633,7 @@ def test_capsule_contacts_differentiate(capsules, steps):
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3 * np.abs(expected).max())
 
 
+@pytest.mark.slow  # (55 s of CI's CPU; capsule contacts and branching trees: the capsule and tree tests)
 def test_humanoid_differentiates():
     """mujoco_warp's test humanoid (27 dofs, capsules on a floor, a branching tree) from its keyframe: jax.grad
     through a step w.r.t. the velocities and geom_friction against central differences of mj_step (measured
