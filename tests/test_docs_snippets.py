@@ -26,9 +26,7 @@ from .helpers import QUICK_COMPILE_LEVEL, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Pages, and files that pages include, that build many kernels and run them briefly (helpers.py). Newton's cloth fit
-# took 55 s on a cold Warp cache so, 76 s without; the mesh examples beside it run longer at -O0 (14 -> 38 s).
-QUICK_COMPILE_SOURCES = {"docs/mujoco.md", "examples/newton_cloth_fit.py"}
+QUICK_COMPILE_PAGES = {"docs/mujoco.md"}  # pages that build many kernels and run them briefly (helpers.py)
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
 INCLUDE = re.compile(r'^--8<--\s+"(?P<path>[^":]+)"\s*$')
 MARKER = re.compile(r"^\s*<!--\s*(?P<kind>skip-test|test)\s*:\s*(?P<value>.*?)\s*-->\s*$")
@@ -79,8 +77,7 @@ def _sessions():
 
 def _run(page: str, session: list[dict], cwd: Path) -> subprocess.CompletedProcess:
     script = ["import sys", "namespace = {'__name__': '__main__'}"]
-    quick = {page, *(Path(b["source"]).relative_to(ROOT).as_posix() for b in session)} & QUICK_COMPILE_SOURCES
-    if quick and QUICK_COMPILE_LEVEL is not None:  # (the harness's, not the page's code)
+    if page in QUICK_COMPILE_PAGES and QUICK_COMPILE_LEVEL is not None:  # (the harness's, not the page's code)
         script.append(f"import warp; warp.config.optimization_level = {QUICK_COMPILE_LEVEL}")
     for b in session:
         script.append(f"print('--- {page}:{b['line']}', flush=True)")

@@ -107,6 +107,11 @@ TREE = """
 """
 
 
+# 1 and 10 steps; the 10-step runs of the tree and the capsules, 18 s each of CI's CPU, are marked slow there (the
+# box's gradient test runs contacts through 10 and 100 steps, the arm's smooth dynamics through 100)
+ONE_AND_TEN_STEPS = [1, pytest.param(10, marks=pytest.mark.slow)]
+
+
 def start(xml, qpos=None, qvel=None):
     mjm = mujoco.MjModel.from_xml_string(xml)
     mjd = mujoco.MjData(mjm)
@@ -486,7 +491,7 @@ def tree():
     return step, mjm
 
 
-@pytest.mark.parametrize("steps", [1, 10])
+@pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
 def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
     """A tree whose branches share a body (the torso): mujoco_warp walks it one thread per root-to-leaf branch, so
     both threads write the shared body, and a per-kernel adjoint would count its cotangent twice. The three walks
@@ -618,7 +623,7 @@ def capsules():
     return traced_with_friction(CAPSULES)
 
 
-@pytest.mark.parametrize("steps", [1, 10])
+@pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
 def test_capsule_contacts_differentiate(capsules, steps):
     """Plane-capsule, sphere-capsule and capsule-capsule contacts (parallel capsules: the second closest pair
     too), by the narrowphase rule: jax.grad through 1 and 10 steps w.r.t. the initial velocities and geom_friction
