@@ -64,7 +64,8 @@ from ._carry import trace_carrying
 
 __all__ = ["MujocoStep", "data_arrays", "equinox_module", "nnx_module", "rollout"]
 
-STATE_FIELDS = ("qpos", "qvel", "act", "ctrl", "time")
+# (MuJoCo's inputs beside ctrl: forces applied in joint space and to bodies, per step like ctrl, and differentiable)
+STATE_FIELDS = ("qpos", "qvel", "act", "ctrl", "time", "qfrc_applied", "xfrc_applied")
 NESTED = ("contact", "efc")
 # Data fields that are dataclasses of arrays
 
@@ -757,7 +758,8 @@ class MujocoStep:
         data: a ``mujoco.MjData`` of ``model`` to start from (default: ``mujoco.MjData(model)`` after
             ``mj_forward``); its values are the initial state.
         state_fields: ``Data`` arrays in and out of the step (default: ``qpos``, ``qvel``, ``act``, ``ctrl``,
-            ``time`` and every other array the step writes and reads back). Given explicitly, leaving out such an
+            ``time``, the applied forces ``qfrc_applied`` and ``xfrc_applied``, and every other array the step writes
+            and reads back). Given explicitly, leaving out such an
             array is an error: every replayed step would restart it from its value when the step was traced.
         param_fields: ``Model`` arrays taken per call (``body_mass``, ``dof_damping``, ``actuator_gainprm``, ...).
         nworld: the number of worlds the step advances at once (``mujoco_warp.put_data``'s): each state array has

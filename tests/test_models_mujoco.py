@@ -306,7 +306,8 @@ def mj_step_gradient(mjm, mjd, steps, weights, where, eps=1e-6):
     def loss(i, delta):
         model = copy.copy(mjm)
         d = mujoco.MjData(model)
-        d.qpos[:], d.qvel[:], d.ctrl[:], d.xfrc_applied[:] = mjd.qpos, mjd.qvel, mjd.ctrl, mjd.xfrc_applied
+        d.qpos[:], d.qvel[:], d.ctrl[:] = mjd.qpos, mjd.qvel, mjd.ctrl
+        d.qfrc_applied[:], d.xfrc_applied[:] = mjd.qfrc_applied, mjd.xfrc_applied
         where(model, d).reshape(-1)[i] += delta
         for _ in range(steps):
             mujoco.mj_step(model, d)
@@ -537,26 +538,28 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
 
 
 def test_applied_forces_differentiate_where_they_are_zero(tree):
-    """``xfrc_applied`` carried in the state: mujoco_warp skips a body whose applied force is exactly zero (``if
-    ft_body == wp.spatial_vector(): continue``), and Warp's adjoint of that branch gave d/d(xfrc_applied) = 0 at
-    zero where central differences of mj_step give up to 8.6. Through the rule (``_applied_force_rule``), at zero
-    and away from it."""
+    """The applied forces are in the default state (as ctrl: per step, differentiable). mujoco_warp skips a body
+    whose ``xfrc_applied`` is exactly zero (``if ft_body == wp.spatial_vector(): continue``), and Warp's adjoint of
+    that branch gave d/d(xfrc_applied) = 0 at zero where central differences of mj_step give up to 8.6. Through the
+    rule (``_applied_force_rule``), at zero and away from it; ``qfrc_applied`` too."""
+    step, _ = tree
     mjm, mjd = start(TREE)
-    with on_one_device():
-        step = MujocoStep(mjm, mjd, state_fields=(*tree[0].state_fields, "xfrc_applied"))
+    assert {"qfrc_applied", "xfrc_applied"} <= set(step.state_fields)
     s0 = step.initial_state()
     weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
 
-    def loss(xfrc):
-        final, _ = rollout(step, {**s0, "xfrc_applied": xfrc}, num_steps=1)
+    def loss(qfrc, xfrc):
+        final, _ = rollout(step, {**s0, "qfrc_applied": qfrc, "xfrc_applied": xfrc}, num_steps=1)
         return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
 
-    gradient = jax.jit(jax.grad(loss))
+    gradient = jax.jit(jax.grad(loss, argnums=(0, 1)))
     for force in (0.0, 0.5):
-        mjd.xfrc_applied[1:] = force
-        expected = mj_step_gradient(mjm, mjd, 1, weights, lambda m, d: d.xfrc_applied)
-        got = np.ravel(gradient(jnp.asarray(mjd.xfrc_applied[None], jnp.float32)))
-        np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4 * np.abs(expected).max(), err_msg=f"{force}")
+        mjd.qfrc_applied[:], mjd.xfrc_applied[1:] = force, force
+        got = gradient(*(jnp.asarray(a[None], jnp.float32) for a in (mjd.qfrc_applied, mjd.xfrc_applied)))
+        for name, value in zip(("qfrc_applied", "xfrc_applied"), got):
+            expected = mj_step_gradient(mjm, mjd, 1, weights, lambda m, d: getattr(d, name))
+            np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-4 * np.abs(expected).max(),
+                                       err_msg=f"{name} at {force}")
 
 
 def test_float_equality_branches_left_to_warps_adjoint_are_listed(tree):
