@@ -416,8 +416,9 @@ def _applied_force_rule(m):
         qfrc = jnp.sum(cdof[..., 3:] * f_sum + cdof[..., :3] * t_sum, -1)
         return {"qfrc_out": before["qfrc_out"] + qfrc if "qfrc_out" in before else qfrc}  # (read: flg_add)
 
-    def reads(flg_add, **a):
-        return {n: a[n] for n in ("xipos_in", "subtree_com_in", "cdof_in", "ft_in", *(("qfrc_out",) * flg_add))}
+    def reads(flg_add, **a):  # (qfrc_out too where the launch adds to it)
+        names = ("xipos_in", "subtree_com_in", "cdof_in", "ft_in") + (("qfrc_out",) if flg_add else ())
+        return {n: a[n] for n in names}
 
     return warpnn.StageRule(
         support, "_apply_ft", rule, per_launch=True, reads=reads,

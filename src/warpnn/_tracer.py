@@ -339,7 +339,7 @@ class WarpProgram:
         (which may let a loop be unrolled for the adjoint, ``warpnn._unrolled``); a kernel is listed if any of its
         launches is refused."""
         refused: dict[str, str] = {}
-        ruled = {i for stage in self._stages.values() for i in range(stage.start, stage.end)}
+        ruled = self._ruled_operations()
         for loop in self._loops.values():
             if loop.start not in ruled:
                 refused[f"wp.capture_while (operations {loop.start}-{loop.end - 1})"] = LOOP_REVERSE_MESSAGE
@@ -360,6 +360,10 @@ class WarpProgram:
                 refused.setdefault(_launched_key(op.kernel), "; ".join(reasons))
         return refused
 
+    def _ruled_operations(self) -> set[int]:
+        """The indices of the operations a stage rule differentiates (their own adjoints are not used)."""
+        return {i for stage in self._stages.values() for i in range(stage.start, stage.end)}
+
     def equality_branches(self) -> dict[str, tuple[str, ...]]:
         """Where the kernels that reverse mode differentiates with Warp's adjoint compare floats with ``==`` or
         ``!=``, ``{kernel key: (place, ...)}``, from Warp's code generator (``_access.CodegenFacts``).
@@ -368,7 +372,7 @@ class WarpProgram:
         side taken, which is wrong where the other side adds a term that vanishes there but whose derivative does
         not (``if damping != 0.0: f -= damping * v`` at damping 0: d/d(damping) is 0, not -v). Launches a stage
         rule replaces, launches refused and launches that write no floats are not listed."""
-        ruled = {i for stage in self._stages.values() for i in range(stage.start, stage.end)}
+        ruled = self._ruled_operations()
         refused = self.reverse_refusals()
         found: dict[str, tuple[str, ...]] = {}
         for i, op in enumerate(self._ops):
