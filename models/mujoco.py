@@ -113,8 +113,12 @@ def _stage_rules(m) -> list:
       JAX backend differentiates its solver. Covered: a dense Jacobian, pyramidal cones, no noslip; otherwise the
       rule refuses and reverse mode through the solver is refused with it.
     """
-    from mujoco_warp._src import smooth, solver, types
+    from mujoco_warp._src import forward, smooth, solver, types
 
+    warpnn.keep_side_taken(
+        forward._wrap_period, "it classifies an actuator as a servo (gainprm[0] == -biasprm[1], true for every "
+        "position actuator) and by which gear components are 0; the period it returns changes the force only where "
+        "the servo's error wraps around, where the force has no derivative")
     dense = _inertia_to_dense(m)
     nv = m.nv
     quadratic, negative, positive = (int(types.ConstraintState.QUADRATIC), int(types.ConstraintState.LINEARNEG),
@@ -175,7 +179,7 @@ def _stage_rules(m) -> list:
                               "contact.friction": d.contact.friction},
     )
     return [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-            *_tree_rules(m), *_contact_rules(m)]
+            *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m)]
 
 
 def _quat_integrate(q, omega, dt):
@@ -425,6 +429,69 @@ def _applied_force_rule(m):
         writes=lambda qfrc_out, **_: {"qfrc_out": qfrc_out},
         ignores=lambda qfrc_out, flg_add, **_: {} if flg_add else {"qfrc_out": qfrc_out},  # (overwritten)
     )
+
+
+def _transmission_rule(m) -> list:
+    """``smooth._transmission`` by a rule where every actuator drives a joint (``TrnType.JOINT`` or
+    ``JOINTINPARENT``): a ball joint's actuator length is ``gear . quat_to_vel(q)``, and ``quat_to_vel`` returns 0
+    through a branch on ``sin == 0`` at the identity orientation, every ball joint's default pose. Warp's adjoint of
+    the branch taken gave d(length)/d(qpos) = 0 there, where the derivative is ``2 gear`` (measured on the tree with a
+    position servo on its ball joint: 0 against up to 47 from central differences of ``mj_step``; the equality
+    guard makes it NaN without this rule). The rule computes lengths and moments as the kernel does, through
+    :func:`_quat_difference` (the derivative right at the identity). Other transmissions (tendons, sites, slider-
+    cranks, bodies) keep Warp's adjoint, guarded, and a model with any of them gets no rule.
+    """
+    import numpy as np
+    from mujoco_warp._src import smooth, types
+
+    if not m.nu:
+        return []
+    trntype, trnid = np.asarray(m.actuator_trntype.numpy()), np.asarray(m.actuator_trnid.numpy()).reshape(-1, 2)
+    in_parent = trntype == int(types.TrnType.JOINTINPARENT)
+    if not np.isin(trntype, (int(types.TrnType.JOINT), int(types.TrnType.JOINTINPARENT))).all():
+        return []
+    jnt_type, qposadr = np.asarray(m.jnt_type.numpy()), np.asarray(m.jnt_qposadr.numpy())
+    FREE, BALL = int(types.JointType.FREE), int(types.JointType.BALL)
+    identity = jnp.array([1.0, 0.0, 0.0, 0.0])
+    conjugate = jnp.array([1.0, -1.0, -1.0, -1.0])
+
+    def rule(before, after):
+        qpos = before["qpos_in"]
+        nworld = qpos.shape[0]
+        gear = _per_world(before["actuator_gear"], nworld)
+        rowadr = after["moment_rowadr_out"]
+        lengths, moment = [], jnp.zeros(after["actuator_moment_out"].shape, qpos.dtype)
+        for a, (j, parent) in enumerate(zip(trnid[:, 0], in_parent)):
+            kind, q = jnt_type[j], qposadr[j]
+            if kind in (FREE, BALL):
+                q = q + 3 if kind == FREE else q
+                rot = qpos[:, q:q + 4] / jnp.linalg.norm(qpos[:, q:q + 4], axis=-1, keepdims=True)
+                if kind == FREE:
+                    length = jnp.zeros(nworld, qpos.dtype)
+                    angular = _rotate(gear[:, a, 3:], rot * conjugate) if parent else gear[:, a, 3:]
+                    values = jnp.concatenate([gear[:, a, :3], angular], -1)
+                else:
+                    axis = _rotate(gear[:, a, :3], rot * conjugate) if parent else gear[:, a, :3]
+                    length = jnp.sum(_quat_difference(rot, identity.astype(qpos.dtype)) * axis, -1)
+                    values = axis
+            else:
+                length, values = qpos[:, q] * gear[:, a, 0], gear[:, a, :1]
+            lengths.append(length)
+            columns = rowadr[:, a, None] + jnp.arange(values.shape[1])
+            moment = moment.at[jnp.arange(nworld)[:, None], columns].set(values)
+        return {"actuator_length_out": jnp.stack(lengths, 1), "actuator_moment_out": moment}
+
+    floats = ("actuator_cranklength", "site_quat", "xquat_in", "site_xpos_in", "site_xmat_in", "subtree_com_in",
+              "cdof_in", "ten_J_in", "ten_length_in")
+    return [warpnn.StageRule(
+        smooth, "_transmission", rule, per_launch=True,
+        reads=lambda qpos_in, actuator_gear, **_: {"qpos_in": qpos_in, "actuator_gear": actuator_gear},
+        writes=lambda **a: {n: a[n] for n in ("actuator_length_out", "actuator_moment_out")},
+        context=lambda **a: {n: a[n] for n in ("moment_rowadr_out", "actuator_moment_out")},
+        # joint transmissions read none of the other transmissions' inputs (the rule exists only for them), and
+        # the launch writes every length and every moment entry
+        ignores=lambda **a: {n: a[n] for n in (*floats, "actuator_length_out", "actuator_moment_out")},
+    )]
 
 
 def _passive_rule(m):

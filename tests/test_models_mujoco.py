@@ -102,7 +102,10 @@ TREE = """
       </body>
     </body>
   </worldbody>
-  <actuator><motor joint="hip" gear="1"/><motor joint="knee" gear="1"/></actuator>
+  <actuator>
+    <motor joint="hip" gear="1"/><motor joint="knee" gear="1"/>
+    <position joint="shoulder" gear="0.3 1 0.5 0 0 0" kp="5"/>
+  </actuator>
 </mujoco>
 """
 
@@ -488,7 +491,7 @@ def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box
 def tree():
     mjm, mjd = start(TREE)
     with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=("body_mass", "body_pos", "dof_damping", "jnt_stiffness"))
+        step = MujocoStep(mjm, mjd, param_fields=("body_mass", "body_pos", "dof_damping", "jnt_stiffness", "actuator_gear"))
     return step, mjm
 
 
@@ -504,7 +507,9 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
     mujoco_warp skips what is exactly zero: the free joint's damper (damping 0, ``if damping != 0.0``) and the
     ball's spring at its reference (``quat_to_vel``'s ``if sin == 0``); the per-kernel adjoint gave 0 there (the
     free joint's damping gradient against up to 0.61 over 10 steps). Springs and dampers take a rule
-    (warpnn_models.mujoco._passive_rule), so these gradients are mj_step's too."""
+    (warpnn_models.mujoco._passive_rule), so these gradients are mj_step's too. So does the position servo on the
+    ball joint: its length is ``gear . quat_to_vel(q)``, whose adjoint at the identity was 0 against up to 47 from
+    central differences (``_transmission_rule``)."""
     step, mjm = tree
     assert step.reverse_refusals() == {}
     described = step.program.describe()
@@ -527,7 +532,7 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
         mjd.qpos[9:13] = np.array(shoulder) / np.linalg.norm(shoulder)
         mjd.qpos[13] = 0.05
         mjd.qvel[:] = np.random.default_rng(0).normal(size=mjm.nv) * 0.5
-        mjd.ctrl[:] = [0.2, -0.1]
+        mjd.ctrl[:] = [0.2, -0.1, 0.3]
         got = grad(*(jnp.asarray(a[None], jnp.float32) for a in (mjd.qpos, mjd.qvel, mjd.ctrl)),
                    step.initial_params())
         checks = [(got[0], lambda m, d: d.qpos), (got[1], lambda m, d: d.qvel), (got[2], lambda m, d: d.ctrl)]
@@ -564,13 +569,17 @@ def test_applied_forces_differentiate_where_they_are_zero(tree):
 
 def test_float_equality_branches_left_to_warps_adjoint_are_listed(tree):
     """Where the tree's step still takes Warp's adjoint of a float ``==``/``!=`` branch (its gradient there is the
-    side taken, exact only off the boundary), ``equality_branches`` names the place. The springs and dampers do not
-    appear: their rule has no such branch (``if damping != 0.0`` made d/d(dof_damping) zero at damping 0)."""
+    side taken, exact only off the boundary; NaN in reverse mode where a thread met equality, unless declared),
+    ``equality_branches`` names the place. The springs and dampers and the transmissions do not appear: their rules
+    have no such branch (``if damping != 0.0`` made d/d(dof_damping) zero at damping 0, ``quat_to_vel``'s ``if sin
+    == 0`` the ball joint's servo length's derivative zero at the identity)."""
     step, _ = tree
     listed = step.program.equality_branches()
-    assert listed and not any(key.startswith("_spring_damper_dof_passive") for key in listed), sorted(listed)
-    transmission = next(places for key, places in listed.items() if key.startswith("_transmission"))
-    assert any(place.startswith("@wp.func 'quat_to_vel'") and "if sin_a_2 == 0.0:" in place for place in transmission)
+    assert listed and not any(key.startswith(("_spring_damper_dof_passive", "_transmission")) for key in listed), \
+        sorted(listed)
+    actuator_force = next(places for key, places in listed.items() if key.startswith("_actuator_force"))
+    assert any(place.startswith("@wp.func '_wrap_period'") and "gainprm[0] == -biasprm[1]" in place
+               for place in actuator_force)  # (declared: warpnn.keep_side_taken)
     assert all("==" in place or "!=" in place for places in listed.values() for place in places)
 
 

@@ -18,6 +18,7 @@ from ._checked import is_checked as is_checked
 from ._checked import set_checked as set_checked
 from ._cuda_graphs import enable_cuda_graph_capture as enable_cuda_graph_capture
 from ._devices import jax_warp_device as jax_warp_device
+from ._equality_guard import keep_side_taken as keep_side_taken
 from ._io import atomic_write as atomic_write
 from ._io import atomic_write_bytes as atomic_write_bytes
 from ._stage_rules import StageRule as StageRule
@@ -47,6 +48,7 @@ __all__ = [
     "checked",
     "clear_jax_callable_graph_cache",
     "enable_cuda_graph_capture",
+    "keep_side_taken",
     "is_checked",
     "jax_callable",
     "jax_kernel",

@@ -17,7 +17,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _checked, _cuda_graphs, _measured, _pruned, _sharding, _spread, _twins, _unrolled, _value_args
+from . import _checked, _cuda_graphs, _equality_guard, _measured, _pruned, _sharding, _spread, _twins, _unrolled, _value_args
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of
@@ -887,7 +887,12 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         raise TypeError(REVERSE_PROBLEM_MESSAGE.format(key=sig.key, problems="; ".join(reasons))
                         + (IN_PLACE_ADVICE if in_place else "") + (LOOP_ADVICE if loops else ""))
     plan = dataclasses.replace(plan, sig=sig)
-    if not sig.has_adjoint:
+    if _equality_guard.guards(sig.kernel):
+        # A float == / != branch reaches the adjoint: its twin makes the gradient NaN in a thread that met
+        # equality, where Warp's adjoint is the side taken (_equality_guard.py). Built with an adjoint.
+        plan = dataclasses.replace(plan, sig=_with_guarded_adjoint(sig))
+        sig = plan.sig
+    elif not sig.has_adjoint:
         # Compiled without an adjoint (enable_backward=False on the kernel or its module, as mujoco_warp builds
         # most of its modules): the adjoint comes from a twin of the same source built with one (_twins.py).
         plan = dataclasses.replace(plan, sig=_with_rebuilt_adjoint(sig))
@@ -942,6 +947,16 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
         by_name[name] = by_name[name] + by_name[_spread.spread_name(name)].sum(axis=0)
     constant = sig.constant_inputs
     return tuple(None if spec.name in constant else by_name.get(spec.name) for spec in differentiated)
+
+
+def _with_guarded_adjoint(sig: KernelSignature) -> KernelSignature:
+    """``sig`` launching, for its adjoint, its kernel's equality-guarded twin (cached on ``sig`` while the twin is
+    the same: a later ``warpnn.keep_side_taken`` makes another)."""
+    twin = _equality_guard.guarded(sig.kernel)
+    guarded = sig.__dict__.get("_guarded")
+    if guarded is None or guarded.kernel is not twin:
+        guarded = sig.__dict__["_guarded"] = dataclasses.replace(sig, kernel=twin)
+    return guarded
 
 
 def _with_rebuilt_adjoint(sig: KernelSignature) -> KernelSignature:

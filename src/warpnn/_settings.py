@@ -122,6 +122,10 @@ _SETTINGS = (
           "slice writes; off: whole partial buffers", "when a kernel is first registered"),
     Setting("WARPNN_CPU_SPIN_US", "int", 100, "microseconds a CPU launch's threads poll for work before sleeping",
             "at the first call", minimum=0),
+    Setting("WARPNN_EQUALITY_GRADIENT", "choice", "nan", "reverse mode through a float == / != branch of a "
+            "kernel: nan makes the gradient NaN in a thread that met equality (where Warp's adjoint is the side "
+            "taken, right only if the two sides agree); side keeps Warp's adjoint there", "while lowering",
+            choices={"nan": "nan", "side": "side"}),
     Setting("WARPNN_MAX_UNROLL", "int", 64, "iterations up to which the adjoint of a loop whose bound is a scalar "
             "argument or an array's shape is unrolled (longer loops: reverse mode refuses the kernel)",
             "while lowering", minimum=1, maximum=4096),

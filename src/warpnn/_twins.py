@@ -66,7 +66,9 @@ def twin_module(kernel, kind: str, *, module_options: dict | None = None):
     if len(name) > 120:  # (a twin of a twin of ...: Warp's cache directory is named after the module)
         name = f"{kind}.{kernel.key[:40]}.{hashlib.sha1(name.encode()).hexdigest()[:16]}"
     module = wp.get_module(name)
-    module.options.update({k: v for k, v in kernel.module.options.items() if k in module.options})
+    # (warpnn's own options too, the equality guard's: a twin of a guarded twin, measured or pruned, stays guarded)
+    module.options.update({k: v for k, v in kernel.module.options.items()
+                           if k in module.options or k.startswith("warpnn_")})
     module.options.update(module_options or {})
     return module
 
@@ -128,6 +130,8 @@ def _stub_function(original, name: str, params: list[str], names: dict | None = 
     func = types.FunctionType(stub.__code__, original.__globals__, name, None, closure)
     func.__module__ = original.__module__
     func.__qualname__ = name
+    func.__warpnn_made_from__ = original  # (_equality_guard follows it to a declared kernel; not __wrapped__,
+    # which inspect.signature would follow to the original's parameters)
     return func
 
 

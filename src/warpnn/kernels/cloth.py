@@ -25,6 +25,7 @@ import numpy as np
 import warp as wp
 
 from .._bridge import jax_kernel
+from .._equality_guard import keep_side_taken
 
 __all__ = ["integrate_particles", "integrate_particles_reference", "spring_forces", "spring_forces_reference"]
 
@@ -106,6 +107,10 @@ def _integrate_kernel(scalar):
         x_out[p] = xp + dt * v_new
         v_out[p] = v_new
 
+    # A pin is a switch, not a limit: a pinned particle's inverse mass is not a parameter, and its gradient is 0 (as
+    # the reference's jnp.where gives), not the NaN reverse mode gives where a branch met float equality.
+    keep_side_taken(integrate_particles_kernel, "inv_mass == 0 pins a particle (a switch, not a limit): its inverse "
+                    "mass is not a parameter, and its gradient is 0 by convention")
     return jax_kernel(integrate_particles_kernel, num_outputs=2)
 
 
