@@ -167,7 +167,7 @@ def _install() -> None:
 
         for name, wrapper, original in (("build", build_tracked, build), ("add_call", add_call_tracked, add_call),
                                         ("add_comp", add_comp_guarded, add_comp)):
-            wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+            setattr(wrapper, "__wrapped__", original)
             setattr(codegen.Adjoint, name, wrapper)
         _installed = True
 

@@ -130,8 +130,9 @@ def _stub_function(original, name: str, params: list[str], names: dict | None = 
     func = types.FunctionType(stub.__code__, original.__globals__, name, None, closure)
     func.__module__ = original.__module__
     func.__qualname__ = name
-    func.__warpnn_made_from__ = original  # (_equality_guard follows it to a declared kernel; not __wrapped__,
-    # which inspect.signature would follow to the original's parameters)
+    # what the twin was made from, which _equality_guard follows to a declared kernel (not __wrapped__, which
+    # inspect.signature would follow to the original's parameters)
+    setattr(func, "__warpnn_made_from__", original)
     return func
 
 
