@@ -888,8 +888,8 @@ def _equality_branch(adj, op_strings, operands: list) -> str | None:
     is the derivative there. At equality it is still the side taken, which is the derivative only if the two sides
     agree to first order: mujoco_warp's ``if damping != 0.0: qfrc -= damping * qvel`` gives d/d(damping) = 0 at
     damping 0, where the derivative is -qvel (measured: 0 where central differences of mj_step give 7.7e-2). Whether
-    the sides agree is beyond what the code says, so this is a fact reported, not a refusal (``WarpProgram.
-    equality_branches``)."""
+    the sides agree is beyond what the code says, so this is a fact reported (``WarpProgram.equality_branches``), and
+    the refusal is made at run time, per thread, by the equality guard (``_equality_guard``)."""
     if not any(op in ("==", "!=") for op in op_strings) or not any(_float_valued(v) for v in operands):
         return None
     lines, line = getattr(adj, "source_lines", None), getattr(adj, "lineno", None)

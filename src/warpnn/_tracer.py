@@ -370,8 +370,10 @@ class WarpProgram:
 
         Their gradient is right wherever the compared values differ. At exact equality it is the derivative of the
         side taken, which is wrong where the other side adds a term that vanishes there but whose derivative does
-        not (``if damping != 0.0: f -= damping * v`` at damping 0: d/d(damping) is 0, not -v). Launches a stage
-        rule replaces, launches refused and launches that write no floats are not listed."""
+        not (``if damping != 0.0: f -= damping * v`` at damping 0: d/d(damping) is 0, not -v). So reverse mode gives
+        NaN in a thread that met equality (``warpnn._equality_guard``), unless the function or kernel is declared
+        with :func:`warpnn.keep_side_taken` (its places are listed all the same). Launches a stage rule replaces,
+        launches refused and launches that write no floats are not listed."""
         ruled = self._ruled_operations()
         refused = self.reverse_refusals()
         found: dict[str, tuple[str, ...]] = {}
