@@ -137,3 +137,18 @@ def test_vector_comparisons_are_guarded():
     assert np.isnan(got[0]).all()
     weights = jnp.asarray([1.0, -2.0, 0.5])
     assert_close(got[1], jax.grad(lambda f: jnp.sum(jnp.cross(arm[1], f) * weights))(jnp.asarray([0.5, -1.0, 2.0])))
+
+
+def test_a_jax_callable_s_tape_gradient_is_guarded_too():
+    """``jax_callable`` differentiates by ``wp.Tape`` over the function: its recorded kernels' adjoints run from the
+    guarded twins, so the tape's gradient is NaN where a thread met equality, Warp's elsewhere."""
+
+    def apply(damping: wp.array(dtype=float), v: wp.array(dtype=float), f: wp.array(dtype=float)):
+        wp.launch(damped, damping.shape, inputs=[damping, v], outputs=[f])
+
+    call = warpnn.jax_callable(apply, num_outputs=1)
+    d_damping, d_v = jax.grad(lambda d, v: call(d, v)[0].sum(), argnums=(0, 1))(jnp.asarray([0.0, 0.5]),
+                                                                                  jnp.full(2, 3.0))
+    assert np.isnan(d_damping[0]) and not np.isnan(d_v).any()
+    assert_close(d_damping[1], -3.0)
+    assert_close(d_v, [0.0, -0.5])

@@ -24,7 +24,7 @@ import numpy as np
 import warp as wp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _sharding
+from . import _equality_guard, _sharding
 from . import _warp_compat as wc
 from ._bridge import SECOND_ORDER_MESSAGE, _fence, _Static, forward_mode_refused, instantiate_zero, zero_aval
 from ._access import ArrayUse, analyse_array_uses, codegen_facts, warp_builds_adjoint
@@ -623,6 +623,7 @@ def _tape_backward_body(wrapper: WarpCallable, differentiated: frozenset[str]):
             checked.add(layout)
         # Arrays func reaches other than its arguments (closure state, its own allocations) keep their adjoints
         # between calls: zeroed before this backward pass (else each call adds to the last one's) and after it.
+        _guard_equalities(tape)
         own = {x.ptr for x in warp_args if isinstance(x, wp.array)}
         others = _tape_arrays(tape, own)
         for x in others:
@@ -633,6 +634,14 @@ def _tape_backward_body(wrapper: WarpCallable, differentiated: frozenset[str]):
 
     num_outputs = len(grads) + len(works) + len(pure_outputs) + len(seeds)
     return vjp, names, [a.type for _, a in params], num_outputs
+
+
+def _guard_equalities(tape) -> None:
+    """Each recorded kernel with a float ``==`` / ``!=`` branch runs its adjoint from its equality-guarded twin (same
+    parameters; NaN in a thread that met equality, where Warp's adjoint is the side taken: ``_equality_guard``)."""
+    for i, launch in enumerate(tape.launches):
+        if not callable(launch) and isinstance(launch[0], wp.Kernel) and _equality_guard.guards(launch[0]):
+            tape.launches[i] = [_equality_guard.guarded(launch[0]), *launch[1:]]
 
 
 def _tape_arrays(tape, own: set) -> list:
