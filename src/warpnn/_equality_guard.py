@@ -10,17 +10,17 @@ of every ball joint). ``_access.CodegenFacts.equality_branches`` lists such comp
 A kernel with such a comparison reaching its adjoint (in itself or in a ``@wp.func`` it calls) is differentiated
 through its *guarded twin*: the same source, built in a module of its own with the module option
 :data:`GUARD_OPTION`, where Warp's code generator emits, in the reverse pass right where the comparison's adjoint
-would be, ``if (a == b) { adj_a *= NAN; adj_b *= NAN; }`` for the float operands. The forward is untouched (the
-kernel itself runs it); the adjoint is Warp's everywhere else. So a thread that met equality sends NaN to what
-the compared values depend on, and nothing else changes: a gradient that may be wrong becomes a NaN that says
-so. ``WARPNN_EQUALITY_GRADIENT=side`` restores Warp's adjoint (for code whose sides are known to agree);
+would be, ``if (a == b) { adj_v = adj_v * NAN; ... }`` for every float value ``v`` the operands were computed from
+in that function (``_emit_guard``). The forward is untouched (the kernel itself runs it); the adjoint is Warp's
+everywhere else. So a thread that met equality sends NaN to what the compared values depend on, and nothing else
+changes: a gradient that may be wrong becomes a NaN that says so. ``WARPNN_EQUALITY_GRADIENT=side`` restores Warp's adjoint (for code whose sides are known to agree);
 :func:`keep_side_taken` keeps it for one function or kernel whose author says the side taken is the gradient wanted,
 and a :class:`warpnn.StageRule` is how a library gives the right derivative at such a boundary.
 
-The hook on ``Adjoint.add_comp`` is installed once and does nothing outside a guarded module: whether to emit is
-decided by the option of the module being built (``adj.builder_options``), which Warp hashes with the rest of the
-module's options, so a guarded module's compiled code is cached apart from every other (and a change of what is
-emitted changes :data:`GUARD_OPTION`'s value).
+The hooks on Warp's code generator (``Adjoint.build``, ``add_call``, ``add_comp``) are installed once, by the first
+guarded twin, and do nothing outside a guarded module: whether to emit is decided by the option of the module being
+built (``adj.builder_options``), which Warp hashes with the rest of the module's options, so a guarded module's
+compiled code is cached apart from every other (and a change of what is emitted changes :data:`GUARD_VERSION`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def declared_side_taken() -> dict[str, str]:
 
 
 def _option_value() -> str:
-    """The guard option's value: its version and the functions declared harmless, so that both are in the module's
+    """The guard option's value: its version and the declared functions and kernels, so that both are in the module's
     cache key and a module's build sees exactly the declarations it was hashed with."""
     return ";".join([f"v{GUARD_VERSION}", *sorted(_SIDE_TAKEN)])
 
