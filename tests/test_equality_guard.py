@@ -152,3 +152,28 @@ def test_a_jax_callable_s_tape_gradient_is_guarded_too():
     assert np.isnan(d_damping[0]) and not np.isnan(d_v).any()
     assert_close(d_damping[1], -3.0)
     assert_close(d_v, [0.0, -0.5])
+
+
+@wp.kernel
+def damped_output_first(f: wp.array(dtype=float), damping: wp.array(dtype=float), v: wp.array(dtype=float)):
+    i = wp.tid()
+    d = damping[i]
+    f[i] = wp.where(d != 0.0, -d * v[i], 0.0)
+
+
+def test_the_guard_and_a_kernel_declaration_reach_the_twins_warpnn_generates(monkeypatch):
+    """``warpnn.trace`` replays a kernel whose output comes first through a twin generated with its parameters
+    reordered: the twin's adjoint is guarded, and a declaration of the kernel holds for it."""
+    damping, v, f = (wp.array(np.zeros(2), dtype=float) for _ in range(3))
+    program = warpnn.trace(lambda: wp.launch(damped_output_first, 2, inputs=[f, damping, v]),
+                           inputs={"damping": damping, "v": v}, outputs={"f": f})
+    assert any(op.kernel is not damped_output_first for op in program.launches())  # (the generated twin)
+
+    def d_damping():
+        return jax.grad(lambda d: program({"damping": d, "v": jnp.full(2, 3.0)})["f"].sum())(jnp.asarray([0.0, 0.5]))
+
+    got = d_damping()
+    assert np.isnan(got[0]) and not np.isnan(got[1])
+    monkeypatch.setattr(_equality_guard, "_SIDE_TAKEN", {})
+    warpnn.keep_side_taken(damped_output_first, "a test's claim")
+    assert_close(d_damping(), [0.0, -3.0])

@@ -55,8 +55,9 @@ def keep_side_taken(function, why: str) -> None:
     every position actuator, and the period it returns changes the force only where the servo's error wraps around,
     where the force has no derivative anyway), or equality is a switch, not a limit (a particle with ``inv_mass ==
     0`` is pinned, and a pinned particle's inverse mass is not a parameter: its gradient is 0 by convention).
-    Like a :class:`warpnn.StageRule`, it is a claim warpnn cannot check; it holds for every kernel that calls the
-    function, and for the twins warpnn builds from a declared kernel.
+    Like a :class:`warpnn.StageRule`, it is a claim warpnn cannot check. It covers the comparisons in ``function``'s
+    own code (not those of the ``@wp.func``s it calls: declare them themselves), in every kernel that calls it, and
+    in the twins warpnn builds from a declared kernel.
 
     Args:
         function: the ``@wp.func`` (all its overloads) or ``@wp.kernel``.
