@@ -177,3 +177,15 @@ def test_the_guard_and_a_kernel_declaration_reach_the_twins_warpnn_generates(mon
     monkeypatch.setattr(_equality_guard, "_SIDE_TAKEN", {})
     warpnn.keep_side_taken(damped_output_first, "a test's claim")
     assert_close(d_damping(), [0.0, -3.0])
+
+
+@pytest.mark.parametrize("batched", ["twin", "off"])
+def test_the_guard_holds_under_vmap(monkeypatch, batched):
+    """Under ``jax.vmap`` the adjoint runs from the batched twin of the guarded twin (or per element): NaN exactly in
+    the batch elements' threads that met equality."""
+    monkeypatch.setenv("WARPNN_BATCHED_LAUNCH", batched)
+    call = warpnn.jax_kernel(damped, num_outputs=1)
+    got = jax.vmap(jax.grad(lambda d, v: call(d, v)[0].sum()))(jnp.asarray([[0.0, 0.5], [0.5, 0.0]]),
+                                                                jnp.full((2, 2), 3.0))
+    np.testing.assert_array_equal(np.isnan(got), [[True, False], [False, True]])
+    assert_close([got[0, 1], got[1, 0]], [-3.0, -3.0])
