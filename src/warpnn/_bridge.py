@@ -17,7 +17,8 @@ from jax.custom_derivatives import SymbolicZero
 
 import warp as wp
 
-from . import _checked, _cuda_graphs, _equality_guard, _measured, _pruned, _sharding, _spread, _twins, _unrolled, _value_args
+from . import _checked, _cuda_graphs, _equality_guard, _measured, _pruned, _sharding, _spread, _twins, _unrolled
+from . import _value_args
 from . import _warp_compat as wc
 from ._launch import LAUNCH_DIMS_ATTR, LAUNCHER, SCALAR_ATTR_PREFIX
 from ._signature import ArgSpec, KernelSignature, signature_of

@@ -621,9 +621,9 @@ def _tape_backward_body(wrapper: WarpCallable, differentiated: frozenset[str]):
         if layout not in checked:
             _check_gradient_chain(wrapper.name, tape, call)
             checked.add(layout)
+        _guard_equalities(tape)
         # Arrays func reaches other than its arguments (closure state, its own allocations) keep their adjoints
         # between calls: zeroed before this backward pass (else each call adds to the last one's) and after it.
-        _guard_equalities(tape)
         own = {x.ptr for x in warp_args if isinstance(x, wp.array)}
         others = _tape_arrays(tape, own)
         for x in others:
