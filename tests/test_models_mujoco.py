@@ -491,7 +491,8 @@ def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box
 def tree():
     mjm, mjd = start(TREE)
     with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=("body_mass", "body_pos", "dof_damping", "jnt_stiffness", "actuator_gear"))
+        step = MujocoStep(mjm, mjd,
+                          param_fields=("body_mass", "body_pos", "dof_damping", "jnt_stiffness", "actuator_gear"))
     return step, mjm
 
 

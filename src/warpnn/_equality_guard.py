@@ -13,9 +13,10 @@ through its *guarded twin*: the same source, built in a module of its own with t
 would be, ``if (a == b) { adj_v = adj_v * NAN; ... }`` for every float value ``v`` the operands were computed from
 in that function (``_emit_guard``). The forward is untouched (the kernel itself runs it); the adjoint is Warp's
 everywhere else. So a thread that met equality sends NaN to what the compared values depend on, and nothing else
-changes: a gradient that may be wrong becomes a NaN that says so. ``WARPNN_EQUALITY_GRADIENT=side`` restores Warp's adjoint (for code whose sides are known to agree);
-:func:`keep_side_taken` keeps it for one function or kernel whose author says the side taken is the gradient wanted,
-and a :class:`warpnn.StageRule` is how a library gives the right derivative at such a boundary.
+changes: a gradient that may be wrong becomes a NaN that says so. ``WARPNN_EQUALITY_GRADIENT=side`` restores
+Warp's adjoint everywhere; :func:`keep_side_taken` keeps it for one function or kernel whose author says the side
+taken is the gradient wanted; a :class:`warpnn.StageRule` is how a library gives the right derivative at such a
+boundary.
 
 The hooks on Warp's code generator (``Adjoint.build``, ``add_call``, ``add_comp``) are installed once, by the first
 guarded twin, and do nothing outside a guarded module: whether to emit is decided by the option of the module being
