@@ -62,7 +62,7 @@ def keep_side_taken(function, why: str) -> None:
 
     Args:
         function: the ``@wp.func`` (all its overloads) or ``@wp.kernel``.
-        why: the reason, one sentence, kept with the declaration (``declared_side_taken()`` lists them).
+        why: the reason, one sentence, kept with the declaration.
     """
     python_function = getattr(function, "func", function)
     if not callable(python_function) or not isinstance(why, str) or not why.strip():
