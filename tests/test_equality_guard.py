@@ -189,3 +189,13 @@ def test_the_guard_holds_under_vmap(monkeypatch, batched):
                                                                 jnp.full((2, 2), 3.0))
     np.testing.assert_array_equal(np.isnan(got), [[True, False], [False, True]])
     assert_close([got[0, 1], got[1, 0]], [-3.0, -3.0])
+
+
+def test_jax_debug_nans_names_the_comparison():
+    """Under ``jax_debug_nans`` the NaN is reported at the guarded adjoint, naming the place and the way out."""
+    call = warpnn.jax_kernel(damped, num_outputs=1)
+    with jax.debug_nans(True), pytest.raises(FloatingPointError) as raised:
+        jax.grad(lambda d: call(d, jnp.full(2, 3.0))[0].sum())(jnp.asarray([0.0, 0.5]))
+    message = str(raised.value)
+    assert "damped" in message and "(adjoint)" in message, message
+    assert "if damping != 0.0:" in message and "warpnn.keep_side_taken" in message, message

@@ -688,6 +688,8 @@ def _ffi_call(plan: _CallPlan, adjoint: bool, operands) -> list[jax.Array]:
     # Warp's dims), wrapped in a primitive that keeps a sharded vmap batch sharded under jax.jit (each
     # device launches its own batch elements) and types outputs under shard_map: see _sharding.py.
     name = f"warpnn kernel '{plan.sig.key}' ({'adjoint' if adjoint else 'forward'})"
+    if adjoint:  # (the name is what jax_debug_nans reports: where a guarded adjoint's NaN comes from)
+        name += _equality_guard.nan_hint(plan.sig.kernel)
     results = _sharding.ffi_call(adj_target if adjoint else fwd_target, out_types, _fence(operands), plan.attrs(),
                                  aliases=aliases, has_side_effect=plan.has_side_effect and not adjoint, name=name,
                                  kernel=(plan.sig, adjoint))

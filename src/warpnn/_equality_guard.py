@@ -128,6 +128,18 @@ def guarded(kernel):
         return cached[2]
 
 
+def nan_hint(kernel) -> str:
+    """For the name of an adjoint call (what ``jax_debug_nans`` reports): where a guarded twin's adjoint makes NaN on
+    purpose, and what to do about it; empty for any other kernel."""
+    if GUARD_OPTION not in kernel.module.options:
+        return ""
+    places = codegen_facts(kernel).equality_branches
+    where = f"{places[0]}" + (f" and {len(places) - 1} more" if len(places) > 1 else "") if places else "?"
+    return (f"; it gives NaN where a thread met a float ==/!= branch's equality ({where}), where Warp's adjoint "
+            "would be the side taken: warpnn.keep_side_taken(function, why) keeps it where that is the gradient "
+            "wanted, WARPNN_EQUALITY_GRADIENT=side everywhere")
+
+
 def _install() -> None:
     """Wrap Warp's code generator (once): in a guarded module, note which values each call's results are computed
     from (``Adjoint.add_call``), and emit each float equality's guard (``Adjoint.add_comp``)."""
