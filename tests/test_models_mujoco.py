@@ -515,7 +515,7 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
     assert step.reverse_refusals() == {}
     described = step.program.describe()
     for stage in ("smooth._kinematics_branch", "smooth._comvel_branch", "smooth._cacc_branch",
-                  "passive._spring_damper_dof_passive"):
+                  "passive._spring_damper_dof_passive", "smooth._transmission"):
         assert f"stage mujoco_warp._src.{stage} (" in described
     assert (mjm.dof_damping[:6] == 0).all()
     weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
@@ -566,6 +566,34 @@ def test_applied_forces_differentiate_where_they_are_zero(tree):
             expected = mj_step_gradient(mjm, mjd, 1, weights, lambda m, d: getattr(d, name))
             np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-4 * np.abs(expected).max(),
                                        err_msg=f"{name} at {force}")
+
+
+@pytest.mark.slow  # (36 s of a 2-core CPU for one more traced model; tests/test_equality_guard.py covers the check)
+def test_a_boundary_no_rule_covers_gives_nan_not_the_side_taken():
+    """With a site actuator beside the ball joint's servo the transmission rule does not apply (it covers joints
+    only), so ``_transmission`` takes Warp's adjoint, whose ``quat_to_vel`` branch at the identity gave 0 against
+    up to 48 from central differences. The equality check makes exactly the ball's four qpos entries NaN; every
+    other entry is mj_step's (measured 1.5e-6, 2026-12-06, CPU)."""
+    xml = TREE.replace('<geom type="sphere" size="0.05" mass="0.2"/>',
+                       '<geom type="sphere" size="0.05" mass="0.2"/><site name="tip"/>').replace(
+        '<position joint="shoulder"', '<motor site="tip" gear="0 0 1 0 0 0"/>\n    <position joint="shoulder"')
+    mjm, mjd = start(xml)
+    with on_one_device():
+        step = MujocoStep(mjm, mjd)
+    assert "stage mujoco_warp._src.smooth._transmission" not in step.program.describe()
+    weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
+    s0 = step.initial_state()
+
+    def loss(qpos):
+        final, _ = rollout(step, {**s0, "qpos": qpos}, num_steps=1)
+        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+
+    got = np.ravel(jax.jit(jax.grad(loss))(jnp.asarray(mjd.qpos[None], jnp.float32)))
+    expected = mj_step_gradient(mjm, mjd, 1, weights, lambda m, d: d.qpos)
+    np.testing.assert_array_equal(np.isnan(got).nonzero()[0], np.arange(9, 13))  # the ball joint's quaternion
+    assert np.abs(expected[10:13]).min() > 20  # (what the side taken gave as 0)
+    finite = ~np.isnan(got)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-3, atol=1e-4 * np.abs(expected).max())
 
 
 def test_float_equality_branches_left_to_warps_adjoint_are_listed(tree):
