@@ -144,10 +144,13 @@ def _install() -> None:
     """Wrap Warp's code generator (once): in a guarded module, note which values each call's results are computed
     from (``Adjoint.add_call``), and emit each float equality's guard (``Adjoint.add_comp``)."""
     global _installed
-    with _INSTALL_LOCK:
+    from warp._src import codegen
+
+    # (under Warp's code-generation lock too: _access's watch swaps the same methods while it holds it, and would
+    # otherwise put back the ones from before these hooks)
+    with _INSTALL_LOCK, codegen._codegen_lock:
         if _installed:
             return
-        from warp._src import codegen
 
         build, add_call, add_comp = codegen.Adjoint.build, codegen.Adjoint.add_call, codegen.Adjoint.add_comp
 
