@@ -115,10 +115,11 @@ def _stage_rules(m) -> list:
     """
     from mujoco_warp._src import forward, smooth, solver, types
 
-    warpnn.keep_side_taken(
-        forward._wrap_period, "it classifies an actuator as a servo (gainprm[0] == -biasprm[1], true for every "
-        "position actuator) and by which gear components are 0; the period it returns changes the force only where "
-        "the servo's error wraps around, where the force has no derivative")
+    if hasattr(forward, "_wrap_period"):  # (mujoco_warp 4.0's; under another name the guard's NaN stays: safe)
+        warpnn.keep_side_taken(
+            forward._wrap_period, "it classifies an actuator as a servo (gainprm[0] == -biasprm[1], true for every "
+            "position actuator) and by which gear components are 0; the period it returns changes the force only "
+            "where the servo's error wraps around, where the force has no derivative")
     dense = _inertia_to_dense(m)
     nv = m.nv
     quadratic, negative, positive = (int(types.ConstraintState.QUADRATIC), int(types.ConstraintState.LINEARNEG),
