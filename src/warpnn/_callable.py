@@ -586,6 +586,7 @@ def _tape_backward_body(wrapper: WarpCallable, differentiated: frozenset[str]):
     )
     names = [n for n, _ in params]
     checked = set()  # the call layouts whose recorded launches passed _check_gradient_chain
+    guard = _equality_guard.enabled()  # (WARPNN_EQUALITY_GRADIENT, read when this backward is first lowered)
 
     def vjp(*warp_args):
         given = dict(zip(names, warp_args))
@@ -621,7 +622,8 @@ def _tape_backward_body(wrapper: WarpCallable, differentiated: frozenset[str]):
         if layout not in checked:
             _check_gradient_chain(wrapper.name, tape, call)
             checked.add(layout)
-        _guard_equalities(tape)
+        if guard:
+            _guard_equalities(tape)
         # Arrays func reaches other than its arguments (closure state, its own allocations) keep their adjoints
         # between calls: zeroed before this backward pass (else each call adds to the last one's) and after it.
         own = {x.ptr for x in warp_args if isinstance(x, wp.array)}
@@ -640,7 +642,7 @@ def _guard_equalities(tape) -> None:
     """Each recorded kernel with a float ``==`` / ``!=`` branch runs its adjoint from its equality-guarded twin (same
     parameters; NaN in a thread that met equality, where Warp's adjoint is the side taken: ``_equality_guard``)."""
     for i, launch in enumerate(tape.launches):
-        if not callable(launch) and isinstance(launch[0], wp.Kernel) and _equality_guard.guards(launch[0]):
+        if not callable(launch) and isinstance(launch[0], wp.Kernel) and _equality_guard.guards(launch[0], on=True):
             tape.launches[i] = [_equality_guard.guarded(launch[0]), *launch[1:]]
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import warp as wp
 
 from . import _settings
+from . import _warp_compat as wc
 from ._access import codegen_facts, share_codegen_facts
 
 # The module option that makes Warp's code generator emit the guard; its value names the version of what is
@@ -101,10 +102,15 @@ def _guarded_here(adj) -> bool:
     return True
 
 
-def guards(kernel) -> bool:
+def enabled() -> bool:
+    """Whether ``WARPNN_EQUALITY_GRADIENT`` is ``nan`` (the default), read now (callers read it while lowering)."""
+    return _settings.get("WARPNN_EQUALITY_GRADIENT") == "nan"
+
+
+def guards(kernel, *, on: bool | None = None) -> bool:
     """Whether reverse mode differentiates ``kernel`` through its guarded twin: a float equality comparison reaches
-    its adjoint and ``WARPNN_EQUALITY_GRADIENT`` is ``nan`` (the default)."""
-    return _settings.get("WARPNN_EQUALITY_GRADIENT") == "nan" and bool(codegen_facts(kernel).equality_branches)
+    its adjoint and the guard is ``on`` (default: :func:`enabled`)."""
+    return (enabled() if on is None else on) and bool(codegen_facts(kernel).equality_branches)
 
 
 _GUARDED: dict[int, tuple[Any, str, Any]] = {}
@@ -222,10 +228,8 @@ def _emit_guard(adj, a, b) -> None:
 
 def _float_scalar(t):
     """The float scalar type of a Warp value type (a float, or a vector, matrix, quaternion ... of floats), else
-    None."""
-    from warp._src.types import float_types
-
+    None (integers, booleans, arrays, structs)."""
     if wp.types.is_array(t):
         return None
-    scalar = getattr(t, "_wp_scalar_type_", t)
-    return scalar if scalar in float_types else None
+    scalar = wc.type_scalar_type(t)  # (a struct, an integer or a bool is its own: not a float)
+    return scalar if scalar in wc.float_types else None
