@@ -115,6 +115,37 @@ def test_gradients_through_the_stage_are_the_rules_and_the_forward_is_warps():
     assert_close(batched, np.stack([jax.grad(reference, argnums=1)(A, v) for v in bs]), rtol=1e-4, atol=1e-5)
 
 
+def _dot_precisions(jaxpr):
+    """Every dot_general's precision in a jaxpr, sub-jaxprs (custom_vjp, pjit, linear solves) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += _dot_precisions(inner)
+    return found
+
+
+def test_the_rule_runs_at_full_float32_precision_not_xlas_gpu_default():
+    # On an H100/H200, XLA's default float32 product is TF32 (a 10-bit mantissa): a rule's einsum there put
+    # ~1e-3 relative error into MuJoCo gradients that the CPU computed to 1e-6. The rule stands for launches that
+    # compute in full float32, so its products are HIGHEST, whatever the rule wrote.
+    def einsum_rule(before, after):
+        return {"x": jnp.einsum("ij,j->i", jnp.linalg.inv(before["A"]), before["b"])}
+
+    program, A, b = traced([rule(einsum_rule)])
+    grad = jax.grad(lambda A, b: jnp.sum(program({"A": A, "b": b})["x"]), argnums=(0, 1))
+    precisions = _dot_precisions(jax.make_jaxpr(grad)(A, b).jaxpr)
+    assert precisions, "the backward has the rule's products"
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert all(p == highest for p in precisions), precisions
+    expected = jax.grad(lambda A, b: jnp.sum(jnp.linalg.solve(2 * A, b)), argnums=(0, 1))(A, b)
+    assert_close(jax.jit(grad)(A, b)[1], expected[1], rtol=1e-4, atol=1e-5)
+
+
 def test_without_the_rule_the_kernel_is_refused():
     program, A, b = traced([])
     assert "gauss_seidel" in program.reverse_refusals()

@@ -71,6 +71,10 @@ class StageRule:
             keywords, by the kernel's parameter names (``reads=lambda cdof_in, qvel_in, **_: {...}``), and
             ``rule``'s ``after`` also holds the launch's scalar arguments by name.
 
+    The rule runs (when checked and in reverse mode) with ``jax.default_matmul_precision("highest")``: it stands for
+    launches that compute in full float32, and XLA's default for a float32 product on a recent NVIDIA GPU is TF32
+    (a 10-bit mantissa), which would put ~1e-3 relative error into every gradient through the rule.
+
     The gradient is the rule's, exactly: warpnn checks its values, not its derivative. A rule that returns ``after``
     values unchanged has zero derivative; one that leaves out a dependence (a parameter of the solve) drops it.
     ``reads`` and ``ignores`` are the rule author's statement of what the result depends on.
@@ -109,11 +113,16 @@ def launch_matcher(rule: StageRule) -> Callable[[Any], bool]:
     return lambda kernel: kernel.func.__module__ == module and kernel.func.__qualname__.startswith(inner)
 
 
+def _full_float32():
+    """The matmul precision rules run at: Warp's own float32 arithmetic, not XLA's GPU default (TF32 tensor cores)."""
+    return jax.default_matmul_precision("highest")
+
+
 def check(rule: StageRule, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray],
           writes: list[str]) -> str | None:
     """Why ``rule`` does not reproduce what the stage's launches left in ``writes`` at trace time, or None."""
     try:
-        with jax.ensure_compile_time_eval():
+        with jax.ensure_compile_time_eval(), _full_float32():
             computed = rule.rule({n: jnp.asarray(v) for n, v in before.items()},
                                  {n: jnp.asarray(v) for n, v in after.items()})
     except Exception as e:  # noqa: BLE001 - the rule's own refusal (NotImplementedError) or a bug: either way, no rule
@@ -211,9 +220,10 @@ def stage_function(record: StageRecord, replay: Callable[[dict], dict], dtypes) 
         after = {n: jax.lax.stop_gradient(now[k]) for n, k in (*record.writes, *record.context)}
         after.update((n, jnp.asarray(v)) for n, v in record.scalars)
         before = {n: values[position[k]] for n, k in record.reads}
-        _, vjp = jax.vjp(lambda b: dict(record.rule.rule(b, after)), before)
         ct = dict(zip(record.written, cotangents))
-        (ct_before,) = vjp({n: ct[k] for n, k in record.writes})
+        with _full_float32():
+            _, vjp = jax.vjp(lambda b: dict(record.rule.rule(b, after)), before)
+            (ct_before,) = vjp({n: ct[k] for n, k in record.writes})
         # a cotangent the rule cannot carry (on a write it does not compute) poisons the result instead of vanishing
         lost = [jnp.any(ct[k] != 0) for k in record.zero_cotangent]
         poison = jnp.where(jnp.any(jnp.stack(lost)), jnp.nan, 0.0) if lost else None
