@@ -33,6 +33,11 @@ Solvers and how each was checked (``tests/test_models_newton.py``):
   ``state_fields=("joint_q", "joint_qd", "body_q", "body_qd")``). Reverse mode is refused by the bridge with
   the reason: its forward-kinematics kernels read elements that other threads of the same launch write, which
   Warp's adjoint cannot replay (one ``wp.Tape`` over many steps is several percent off finite differences).
+* ``SolverMuJoCo`` (``use_mujoco_cpu=False``: mujoco_warp's step between Newton's coordinate conversions): forward
+  only, equal to Newton's own loop on the same chain. Reverse mode is refused with the reasons (the constraint
+  solver's ``wp.capture_while``, mujoco_warp's in-place Cholesky, Newton's forward kinematics). For gradients
+  through mujoco_warp, step the MuJoCo model with :class:`warpnn_models.mujoco.MujocoStep`, whose stage rules
+  differentiate the solver.
 
 Example::
 
@@ -75,7 +80,8 @@ class NewtonStep:
 
     Args:
         model: a finalized ``newton.Model``.
-        solver: a Newton solver built on ``model`` (``SolverSemiImplicit``, ``SolverXPBD``).
+        solver: a Newton solver built on ``model`` (the module's docstring says how each solver was checked and
+            which differentiate).
         dt: the time step (static: a new ``dt`` needs a new ``NewtonStep``).
         contacts: the ``newton.Contacts`` the step uses, or ``None``. Contacts are captured as they are when the
             step is traced (as Newton's differentiable examples do for ground planes: collide once with a large

@@ -332,6 +332,39 @@ def test_featherstone_with_tile_gemm_forward_equals_newton():
     assert np.abs(states[T].joint_q.numpy()).max() > 1e-3
 
 
+@pytest.mark.slow  # (~40 s on 2 cores: the suite keeps under 10 minutes on CI; pytest --slow runs it)
+def test_mujoco_solver_forward_equals_newton_and_reverse_is_refused_with_the_reasons():
+    """Newton's SolverMuJoCo (mujoco_warp's step between Newton's coordinate conversions and forward kinematics)
+    traced: the replay equals Newton's own loop (measured 0.0), and reverse mode is refused naming what has no
+    right per-kernel adjoint (the constraint solver's wp.capture_while, Newton's articulation FK), never a gradient
+    through them. (Gradients through mujoco_warp: warpnn_models.mujoco.MujocoStep, whose stage rules cover both.)"""
+    pytest.importorskip("mujoco_warp")
+    if jax.default_backend() == "gpu":
+        pytest.skip("the chain is built on Warp's CPU device, and the GPU machine's Warp lacks libmathdx for CPU tiles")
+    model, _, start = pendulum_chain()
+    solver = newton.solvers.SolverMuJoCo(model, use_mujoco_cpu=False)
+    fields = ("joint_q", "joint_qd", "body_q", "body_qd")
+    step = NewtonStep(model, solver, DT, state_fields=fields)
+    steps = 20
+    state0 = {k: jnp.asarray(getattr(start, k).numpy()) for k in fields}
+    final, _ = jax.jit(lambda s: rollout(step, s, None, num_steps=steps))(state0)
+    states = [model.state() for _ in range(steps + 1)]
+    for k in fields:
+        getattr(states[0], k).assign(getattr(start, k))
+    for t in range(steps):
+        states[t].clear_forces()
+        solver.step(states[t], states[t + 1], None, None, DT)
+    for k in fields:
+        assert np.abs(np.asarray(final[k]) - getattr(states[steps], k).numpy()).max() <= 1e-6, k
+    assert np.abs(states[steps].joint_q.numpy()).max() > 1e-3  # it moved
+    refusals = step.program.reverse_refusals()
+    assert any(name.startswith("wp.capture_while") for name in refusals), sorted(refusals)
+    assert "another thread wrote" in refusals["eval_articulation_fk"]
+    with pytest.raises(TypeError, match="cannot be differentiated"):
+        jax.grad(lambda qd: rollout(step, {**state0, "joint_qd": qd}, None, num_steps=2)[0]["joint_q"].sum())(
+            state0["joint_qd"])
+
+
 def vbd_cloth():
     """A 5x5 cloth pinned on its left edge, colored for SolverVBD's Gauss-Seidel sweeps (no self-contact)."""
     builder = newton.ModelBuilder()
