@@ -425,6 +425,48 @@ def test_cartpole_with_joint_limit_equals_mujoco_warp_and_differentiates_through
         np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
 
 
+FRICTION_FIELDS = ("dof_frictionloss", "dof_damping", "dof_armature", "body_inertia")
+
+
+@pytest.fixture(scope="module")
+def arm_with_joint_friction():
+    xml = ARM.replace('damping="0.1"/>', 'damping="0.1" frictionloss="0.05"/>').replace('iterations="4"',
+                                                                                      'iterations="50"')
+    mjm, mjd = start(xml, qvel=[0.8, -0.5])
+    with on_one_device():
+        step = MujocoStep(mjm, mjd, param_fields=FRICTION_FIELDS)
+    return step, mjm, mjd
+
+
+@pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
+def test_joint_friction_differentiates_through_the_solvers_friction_rows(arm_with_joint_friction, steps):
+    """Joint friction (``frictionloss`` > 0) is a row of the constraint solver per dof, LINEARNEG / LINEARPOS while
+    the joint slides: the solver's rule carries ``efc.frictionloss``, and ``_friction_dof``'s adjoint takes it
+    back to ``dof_frictionloss``. jax.grad through 1 and 10 steps w.r.t. frictionloss, damping, armature, body
+    inertias and the initial velocity matches central differences of mj_step (measured <= 4e-6 relative).
+
+    At ``frictionloss`` = 0 MuJoCo makes no row (``frictionloss > 0``): the gradient there is the side taken, 0,
+    the derivative from below (as ``jax.nn.relu`` at 0), where mj_step's one-sided difference from above is not
+    (0.58 here). To identify friction, start it above 0."""
+    step, mjm, mjd = arm_with_joint_friction
+    assert step.reverse_refusals() == {}
+    s0 = step.initial_state()
+    assert int(np.asarray(step(s0)["nefc"]).max()) == 2  # a friction row per dof
+    weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
+
+    def loss(params, qvel):
+        final, _ = rollout(step, {**s0, "qvel": qvel}, params=params, num_steps=steps)
+        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+
+    params, qvel = jax.jit(jax.grad(loss, argnums=(0, 1)))(step.initial_params(),
+                                                          jnp.asarray(mjd.qvel[None], jnp.float32))
+    checks = [(qvel, lambda m, d: d.qvel)] + [(params[f], lambda m, d, f=f: getattr(m, f)) for f in FRICTION_FIELDS]
+    for value, where in checks:
+        expected = mj_step_gradient(mjm, mjd, steps, weights, where)
+        np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    assert np.abs(np.asarray(params["dof_frictionloss"])).min() > 0.1
+
+
 def traced_with_friction(xml):
     """A model's step traced with ``geom_friction`` as a parameter, its MjModel and starting MjData."""
     mjm, mjd = start(xml)
@@ -490,9 +532,13 @@ def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box
 @pytest.fixture(scope="module")
 def tree():
     mjm, mjd = start(TREE)
+    # MuJoCo's compiler marks a body whose inertial frame is its own frame (body_sameframe) and mj_step then skips
+    # body_ipos / body_iquat for it, so central differences see no effect of them; mujoco_warp has no such
+    # shortcut. Cleared, mj_step takes the general formula (the same step at these values).
+    mjm.body_sameframe[:] = 0
     with on_one_device():
-        step = MujocoStep(mjm, mjd,
-                          param_fields=("body_mass", "body_pos", "dof_damping", "jnt_stiffness", "actuator_gear"))
+        step = MujocoStep(mjm, mjd, param_fields=("body_mass", "body_pos", "body_inertia", "body_ipos", "body_iquat",
+                                                  "dof_damping", "dof_armature", "jnt_stiffness", "actuator_gear"))
     return step, mjm
 
 
@@ -501,9 +547,10 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
     """A tree whose branches share a body (the torso): mujoco_warp walks it one thread per root-to-leaf branch, so
     both threads write the shared body, and a per-kernel adjoint would count its cotangent twice. The three walks
     (_kinematics_branch, _comvel_branch, _cacc_branch) are differentiated by rules; jax.grad through 1 and 10
-    steps w.r.t. positions, velocities, controls, body masses and positions, joint damping and stiffness (free,
-    hinge, ball and slide joints) matches central differences of mj_step (measured <= 7.6e-5 relative, 2026-12-05,
-    CPU), from a pose with the ball joint turned and from one with it at its spring's reference orientation.
+    steps w.r.t. positions, velocities, controls, body masses, positions, inertias and inertial frames, joint
+    damping, armature and stiffness (free, hinge, ball and slide joints) matches central differences of mj_step
+    (measured <= 7.6e-5 relative, 2026-12-05, CPU), from a pose with the ball joint turned and from one with it at
+    its spring's reference orientation.
 
     mujoco_warp skips what is exactly zero: the free joint's damper (damping 0, ``if damping != 0.0``) and the
     ball's spring at its reference (``quat_to_vel``'s ``if sin == 0``); the per-kernel adjoint gave 0 there (the
