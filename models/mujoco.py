@@ -650,9 +650,10 @@ def _contact_rules(m) -> list:
       Rule: the contact's distance, position and frame recomputed in JAX from ``geom_xpos`` / ``geom_xmat`` (and
       ``geom_size``) for the pair and the collision id the launch left in each written slot (the box's corner, the
       capsule's end, the second pair of parallel capsules), as mujoco_warp's ``plane_sphere``, ``plane_box``,
-      ``plane_capsule``, ``sphere_sphere``, ``sphere_capsule`` and ``capsule_capsule`` compute them; friction from
-      ``geom_friction``; the other contact parameters are functions of model constants (their values as
-      written). Other primitive pairs, or explicit ``<pair>`` contacts, make the rule refuse, naming them.
+      ``plane_capsule``, ``sphere_sphere``, ``sphere_capsule`` and ``capsule_capsule`` compute them; friction, ``solref``,
+      ``solimp`` and the margin from ``geom_friction``, ``geom_solref``, ``geom_solimp``, ``geom_solmix`` and
+      ``geom_margin`` as ``collision_core.contact_material_params`` mixes them (contact stiffness, damping,
+      impedance and margins differentiate); the gap only decides which contacts are made. Other primitive pairs, or explicit ``<pair>`` contacts, make the rule refuse, naming them.
     * ``constraint._efc_contact_jac_dense``: the contact rows of the dense constraint Jacobian (a tile kernel:
       ``wp.tile_reduce`` has no adjoint). Rule: each row from ``cdof``, ``subtree_com``, the contact's position,
       frame and friction (pyramidal cones), and ``efc.Jqvel`` += ``J qvel``, as the kernel computes them.
@@ -739,8 +740,24 @@ def _contact_rules(m) -> list:
         q1, q2 = jnp.asarray(geom_priority)[g1][:, None], jnp.asarray(geom_priority)[g2][:, None]
         mixed = jnp.where(q1 > q2, f1, jnp.where(q2 > q1, f2, jnp.maximum(f1, f2)))
         friction = mixed[:, jnp.array([0, 0, 1, 2, 2])]
+        # the pair's solver parameters, as collision_core.contact_material_params mixes them (solmix weights the
+        # two geoms where neither has priority) and contact_margin_gap adds the margins
+        solmix = before["geom_solmix"][world % before["geom_solmix"].shape[0]]
+        w1, w2 = solmix[slot, g1], solmix[slot, g2]
+        small1, small2 = w1 < types.MJ_MINVAL, w2 < types.MJ_MINVAL
+        even = w1 / jnp.where(w1 + w2 != 0.0, w1 + w2, types.MJ_MINVAL)  # (math.safe_div)
+        even = jnp.where(small1 & small2, 0.5, jnp.where(small1, 0.0, jnp.where(small2, 1.0, even)))
+        mix = jnp.where(q1[:, 0] > q2[:, 0], 1.0, jnp.where(q2[:, 0] > q1[:, 0], 0.0, even))[:, None]
+        solref_of = before["geom_solref"][world % before["geom_solref"].shape[0]]
+        s1, s2 = solref_of[slot, g1], solref_of[slot, g2]
+        both_positive = ((s1[:, 0] > 0.0) & (s2[:, 0] > 0.0))[:, None]  # (else direct mode: the smaller)
+        solref = jnp.where(both_positive, mix * s1 + (1.0 - mix) * s2, jnp.minimum(s1, s2))
+        solimp_of = before["geom_solimp"][world % before["geom_solimp"].shape[0]]
+        solimp = mix * solimp_of[slot, g1] + (1.0 - mix) * solimp_of[slot, g2]
+        margin_of = before["geom_margin"][world % before["geom_margin"].shape[0]]
         computed = {"contact_dist_out": dist, "contact_pos_out": pos, "contact_frame_out": frame,
-                    "contact_friction_out": friction}
+                    "contact_friction_out": friction, "contact_solref_out": solref, "contact_solimp_out": solimp,
+                    "contact_includemargin_out": margin_of[slot, g1] + margin_of[slot, g2]}
         out = {}
         for name in contact_floats:  # (the rest: functions of model constants, as the launch wrote them)
             value = computed.get(name, after[name])
@@ -791,10 +808,13 @@ def _contact_rules(m) -> list:
     narrowphase = warpnn.StageRule(
         collision_primitive, "_primitive_narrowphase", narrowphase_rule, per_launch=True,
         reads=lambda **a: {n: a[n] for n in ("geom_xpos_in", "geom_xmat_in", "geom_size", "geom_friction",
+                                              "geom_solmix", "geom_solref", "geom_solimp", "geom_margin",
                                               "nacon_out", *contact_floats)},
         writes=lambda **a: {n: a[n] for n in contact_floats},
         context=lambda **a: {n: a[n] for n in ("contact_geom_out", "contact_worldid_out",
                                                 "contact_geomcollisionid_out", "nacon_out")},
+        # the gap decides only which contacts are made (context); no float written depends on it
+        ignores=lambda geom_gap, **_: {"geom_gap": geom_gap},
     )
     jacobian = warpnn.StageRule(
         constraint, "_efc_contact_jac_dense", jacobian_rule, per_launch=True,

@@ -467,11 +467,15 @@ def test_joint_friction_differentiates_through_the_solvers_friction_rows(arm_wit
     assert np.abs(np.asarray(params["dof_frictionloss"])).min() > 0.1
 
 
+CONTACT_PARAMS = ("geom_friction", "geom_solref", "geom_solimp", "geom_margin")
+
+
 def traced_with_friction(xml):
-    """A model's step traced with ``geom_friction`` as a parameter, its MjModel and starting MjData."""
+    """A model's step traced with the contact parameters (``geom_friction``, ``geom_solref``, ``geom_solimp``,
+    ``geom_margin``) as parameters, its MjModel and starting MjData."""
     mjm, mjd = start(xml)
     with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=("geom_friction",))
+        step = MujocoStep(mjm, mjd, param_fields=CONTACT_PARAMS)
     return step, mjm, mjd
 
 
@@ -499,8 +503,10 @@ def test_box_falling_onto_a_plane(box):
 @pytest.mark.parametrize("steps", [1, 10, 100])
 def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box, steps):
     """The contact tier: a tilted box sliding on the plane (4 corner contacts, friction pyramids), jax.grad through
-    1, 10 and 100 steps w.r.t. the initial velocity and geom_friction against central differences of mj_step
-    (float64): 1e-2 relative asked, measured <= 1.3e-6 (2026-12-05, CPU). Every stage differentiates: the
+    1, 10 and 100 steps w.r.t. the initial velocity and the contact parameters (geom_friction, and geom_solref,
+    geom_solimp, geom_margin: the contacts' stiffness, damping, impedance and margin, mixed by the narrowphase
+    rule) against central differences of mj_step (float64): 1e-2 relative asked, measured <= 1.3e-6 for velocity
+    and friction (2026-12-05, CPU), <= 7e-6 for the others through one step (2026-12-06). Every stage differentiates: the
     broadphase writes integers only, the narrowphase, the contact Jacobian and the position update by their
     rules (warpnn_models.mujoco._contact_rules, _position_rule), the solver implicitly. And from rest in the air
     (angular velocity exactly 0, where mujoco_warp's quaternion integration has a zero adjoint), the first
@@ -523,7 +529,9 @@ def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box
         mjd.qpos[:], mjd.qvel[:] = qpos, qvel
         got = grad(jnp.asarray(mjd.qpos[None], jnp.float32), jnp.asarray(mjd.qvel[None], jnp.float32),
                    step.initial_params())
-        for value, where in ((got[0], lambda m, d: d.qvel), (got[1]["geom_friction"], lambda m, d: m.geom_friction)):
+        checks = [(got[0], lambda m, d: d.qvel)]
+        checks += [(got[1][name], lambda m, d, name=name: getattr(m, name)) for name in CONTACT_PARAMS]
+        for value, where in checks:
             expected = mj_step_gradient(mjm, mjd, steps, weights, where)
             np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
         assert np.abs(np.asarray(got[0])).max() > 1e-3  # (at rest after 100 steps: 7e-3)
