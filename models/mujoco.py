@@ -827,6 +827,29 @@ def _contact_rules(m) -> list:
     return [narrowphase, jacobian]
 
 
+def _warn_of_static_geoms(mjm, param_fields: Sequence[str]) -> None:
+    """Warn where ``geom_pos`` / ``geom_quat`` parameters cover geoms the step never places.
+
+    mujoco_warp places a geom attached to the world (not under a mocap body) once, in ``put_data``
+    (``smooth._geom_local_to_global`` returns early for it), so its step reads neither array there: those entries
+    change nothing and their gradient is 0, where ``mj_step`` would move the geom."""
+    import mujoco
+    import numpy as np
+
+    fields = [f for f in ("geom_pos", "geom_quat") if f in param_fields]
+    body = mjm.geom_bodyid
+    static = np.nonzero((mjm.body_weldid[body] == 0) & (mjm.body_mocapid[mjm.body_rootid[body]] == -1))[0]
+    if not fields or not static.size:
+        return
+    names = [mujoco.mj_id2name(mjm, mujoco.mjtObj.mjOBJ_GEOM, int(g)) or f"geom {g}" for g in static]
+    warnings.warn(
+        f"MujocoStep: param_fields {fields}: mujoco_warp places the geoms attached to the world ({names[:8]}"
+        f"{' ...' if len(names) > 8 else ''}) once, in put_data, and its step never reads their entries of "
+        f"{' and '.join(fields)}: changing them changes nothing and their gradient is 0 (mj_step would move them). "
+        "The entries of geoms on moving bodies differentiate; to move a static geom, build the step from a changed "
+        "MjModel.", stacklevel=3)
+
+
 def _load(model):
     import mujoco
 
@@ -925,6 +948,7 @@ class MujocoStep:
                     f"Model (arrays: {sorted(model_arrays)[:12]}...)."
                 )
         self._params = {name: model_arrays[name] for name in self.param_fields}
+        _warn_of_static_geoms(self.mjm, self.param_fields)
         if state_fields is not None:
             unknown = [n for n in state_fields if n not in self._data]
             if unknown:

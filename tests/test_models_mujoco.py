@@ -481,7 +481,11 @@ def traced_with_friction(xml):
 
 @pytest.fixture(scope="module")
 def box():
-    return traced_with_friction(BOX)
+    """The box with its contact parameters and geom_pos (the plane's entries: see the gradient test)."""
+    mjm, mjd = start(BOX)
+    with on_one_device(), pytest.warns(UserWarning, match=r"geoms attached to the world \(\['geom 0'\]\)"):
+        step = MujocoStep(mjm, mjd, param_fields=(*CONTACT_PARAMS, "geom_pos"))
+    return step, mjm, mjd
 
 
 def test_box_falling_onto_a_plane(box):
@@ -535,6 +539,15 @@ def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box
             expected = mj_step_gradient(mjm, mjd, steps, weights, where)
             np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
         assert np.abs(np.asarray(got[0])).max() > 1e-3  # (at rest after 100 steps: 7e-3)
+        # the box's own geom differentiates (against mj_step with its geom_sameframe shortcut cleared, which
+        # otherwise skips geom_pos for a geom at its body's frame); the plane is placed once by put_data
+        # (MujocoStep warned): its entries change nothing in mujoco_warp's step, so their gradient is 0
+        general = copy.copy(mjm)
+        general.geom_sameframe[:] = 0
+        moved = mj_step_gradient(general, mjd, steps, weights, lambda m, d: m.geom_pos)
+        np.testing.assert_allclose(np.asarray(got[1]["geom_pos"])[0, 1], moved[3:], rtol=1e-2,
+                                   atol=1e-2 * np.abs(moved).max())
+        assert (np.asarray(got[1]["geom_pos"])[0, 0] == 0).all()
 
 
 @pytest.fixture(scope="module")
