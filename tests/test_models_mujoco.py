@@ -309,7 +309,7 @@ def mj_step_gradient(mjm, mjd, steps, weights, where, eps=1e-6):
     def loss(i, delta):
         model = copy.copy(mjm)
         d = mujoco.MjData(model)
-        d.qpos[:], d.qvel[:], d.ctrl[:] = mjd.qpos, mjd.qvel, mjd.ctrl
+        d.qpos[:], d.qvel[:], d.ctrl[:], d.act[:] = mjd.qpos, mjd.qvel, mjd.ctrl, mjd.act
         d.qfrc_applied[:], d.xfrc_applied[:] = mjd.qfrc_applied, mjd.xfrc_applied
         where(model, d).reshape(-1)[i] += delta
         for _ in range(steps):
@@ -425,46 +425,82 @@ def test_cartpole_with_joint_limit_equals_mujoco_warp_and_differentiates_through
         np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
 
 
-FRICTION_FIELDS = ("dof_frictionloss", "dof_damping", "dof_armature", "body_inertia")
+# An arm driven by each kind of actuator: a position servo (kp, kv), a velocity servo, a clamped motor with a gear,
+# and a general affine actuator with first-order activation dynamics (a filter: an `act` state); a joint spring,
+# and joint friction on two joints (frictionloss: a row of the constraint solver per dof).
+ACTUATED = """
+<mujoco model="actuated">
+  <option timestep="0.005" iterations="50"><flag contact="disable"/></option>
+  <worldbody>
+    <body name="a"><joint name="j0" type="hinge" axis="0 1 0" damping="0.1" stiffness="0.5" springref="0.2"
+                          frictionloss="0.02"/>
+      <geom type="capsule" fromto="0 0 0 0.4 0 0" size="0.04" mass="1"/>
+      <body name="b" pos="0.4 0 0"><joint name="j1" type="hinge" axis="0 0 1" damping="0.05" armature="0.01"/>
+        <geom type="capsule" fromto="0 0 0 0.4 0 0" size="0.03" mass="0.5"/>
+        <body name="c" pos="0.4 0 0"><joint name="j2" type="slide" axis="1 0 0" damping="0.2" frictionloss="0.05"/>
+          <geom type="box" size="0.05 0.05 0.05" mass="0.3"/>
+        </body>
+      </body>
+    </body>
+  </worldbody>
+  <actuator>
+    <position joint="j0" kp="20" kv="1"/>
+    <velocity joint="j1" kv="3"/>
+    <motor joint="j2" gear="2" ctrllimited="true" ctrlrange="-1 1" forcelimited="true" forcerange="-1.5 1.5"/>
+    <general joint="j1" gaintype="affine" gainprm="1 0.5 0.2" biastype="affine" biasprm="0 -0.3 -0.1"
+             dyntype="filter" dynprm="0.05"/>
+  </actuator>
+</mujoco>
+"""
+ACTUATOR_PARAMS = ("actuator_gainprm", "actuator_biasprm", "actuator_gear", "actuator_dynprm", "jnt_stiffness",
+                   "qpos_spring", "dof_damping", "dof_armature", "dof_frictionloss", "body_mass", "body_inertia")
 
 
 @pytest.fixture(scope="module")
-def arm_with_joint_friction():
-    xml = ARM.replace('damping="0.1"/>', 'damping="0.1" frictionloss="0.05"/>').replace('iterations="4"',
-                                                                                      'iterations="50"')
-    mjm, mjd = start(xml, qvel=[0.8, -0.5])
+def actuated():
+    mjm, mjd = start(ACTUATED, qpos=[0.3, -0.2, 0.05], qvel=[0.5, -0.4, 0.3])
+    mjd.ctrl[:], mjd.act[:] = [0.5, 0.7, 0.6, 0.4], [0.1]
+    mujoco.mj_forward(mjm, mjd)
     with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=FRICTION_FIELDS)
+        step = MujocoStep(mjm, mjd, param_fields=ACTUATOR_PARAMS)
     return step, mjm, mjd
 
 
 @pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
-def test_joint_friction_differentiates_through_the_solvers_friction_rows(arm_with_joint_friction, steps):
-    """Joint friction (``frictionloss`` > 0) is a row of the constraint solver per dof, LINEARNEG / LINEARPOS while
-    the joint slides: the solver's rule carries ``efc.frictionloss``, and ``_friction_dof``'s adjoint takes it
-    back to ``dof_frictionloss``. jax.grad through 1 and 10 steps w.r.t. frictionloss, damping, armature, body
-    inertias and the initial velocity matches central differences of mj_step (measured <= 4e-6 relative).
+def test_actuators_with_activation_dynamics_and_joint_friction_differentiate(actuated, steps):
+    """mujoco_warp's ``_actuator_force`` writes ``act_dot`` at each actuator's activation address and reads it back
+    only in its DC-motor branch, through a @wp.func: the launch-time proof (``warpnn._owned``) shows no thread of
+    this model takes that branch (it was refused for every model with activations before). Joint friction is a
+    solver row per dof, LINEARNEG / LINEARPOS while the joint slides: the solver's rule carries
+    ``efc.frictionloss`` and ``_friction_dof``'s adjoint takes it back to ``dof_frictionloss``. jax.grad through 1
+    and 10 steps w.r.t. controls, activations, actuator gains, biases, gears and dynamics parameters, springs,
+    damping, armature, friction, masses and inertias matches central differences of mj_step.
 
-    At ``frictionloss`` = 0 MuJoCo makes no row (``frictionloss > 0``): the gradient there is the side taken, 0,
-    the derivative from below (as ``jax.nn.relu`` at 0), where mj_step's one-sided difference from above is not
-    (0.58 here). To identify friction, start it above 0."""
-    step, mjm, mjd = arm_with_joint_friction
+    At ``frictionloss`` = 0 (here the middle joint's) MuJoCo makes no row (``frictionloss > 0``): the gradient
+    there is the side taken, 0, the derivative from below (as ``jax.nn.relu`` at 0), where mj_step's central
+    difference is half the one from above; the check skips that entry. To identify friction, start it above 0."""
+    step, mjm, mjd = actuated
     assert step.reverse_refusals() == {}
     s0 = step.initial_state()
-    assert int(np.asarray(step(s0)["nefc"]).max()) == 2  # a friction row per dof
+    assert int(np.asarray(step(s0)["nefc"]).max()) == 2  # a friction row per joint with friction
     weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
 
-    def loss(params, qvel):
-        final, _ = rollout(step, {**s0, "qvel": qvel}, params=params, num_steps=steps)
+    def loss(params, ctrl, act):
+        final, _ = rollout(step, {**s0, "ctrl": ctrl, "act": act}, params=params, num_steps=steps)
         return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
 
-    params, qvel = jax.jit(jax.grad(loss, argnums=(0, 1)))(step.initial_params(),
-                                                          jnp.asarray(mjd.qvel[None], jnp.float32))
-    checks = [(qvel, lambda m, d: d.qvel)] + [(params[f], lambda m, d, f=f: getattr(m, f)) for f in FRICTION_FIELDS]
-    for value, where in checks:
+    params, ctrl, act = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+        step.initial_params(), jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.act[None], jnp.float32))
+    checks = [("ctrl", ctrl, lambda m, d: d.ctrl), ("act", act, lambda m, d: d.act)]
+    checks += [(f, params[f], lambda m, d, f=f: getattr(m, f)) for f in ACTUATOR_PARAMS]
+    for name, value, where in checks:
         expected = mj_step_gradient(mjm, mjd, steps, weights, where)
-        np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
-    assert np.abs(np.asarray(params["dof_frictionloss"])).min() > 0.1
+        value = np.ravel(value)
+        if name == "dof_frictionloss":
+            assert value[1] == 0.0 and expected[1] != 0.0  # (no row at 0: the side taken)
+            value, expected = value[[0, 2]], expected[[0, 2]]
+        np.testing.assert_allclose(value, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    assert np.abs(np.asarray(act)).max() > 1e-2 and np.abs(np.asarray(params["dof_frictionloss"])).max() > 1e-2
 
 
 CONTACT_PARAMS = ("geom_friction", "geom_solref", "geom_solimp", "geom_margin")

@@ -129,6 +129,43 @@ def test_an_array_without_elements_is_no_reason_to_refuse():
     assert "touches an element other than" in program.reverse_refusals()["with_activations"]
 
 
+@wp.func
+def slot_after(a: int, q: wp.array(dtype=float)) -> int:
+    return a + int(q[a] > 1.0)
+
+
+@wp.kernel
+def with_a_rare_kind(adr: wp.array(dtype=int), kind: wp.array(dtype=int), q_in: wp.array(dtype=float),
+                     q_out: wp.array(dtype=float)):
+    # mujoco_warp's _actuator_force in miniature: a branch taken only by a kind of joint (its DC motors) writes at
+    # an index a @wp.func computes, which the probe cannot follow
+    j = wp.tid()
+    a = adr[j]
+    if kind[j] == BALL:
+        b = slot_after(a, q_in)
+        q_out[b] = 3.0 * q_in[b]
+    else:
+        q_out[a] = 2.0 * q_in[a]
+
+
+@pytest.mark.parametrize("kind_np", [np.array([0, 0, 0]), np.array([0, 1, 0])])
+def test_a_branch_the_probe_cannot_follow_refuses_only_where_a_thread_takes_it(kind_np):
+    """The probe replaces a side of an ``if`` it cannot follow, under a condition the constants decide, by an access
+    that fails the proof where a thread reaches it: with no thread of that kind the launch differentiates (it was
+    refused whatever the model before), with one it stays refused."""
+    q = wp.array(np.linspace(0.5, 1.5, 4).astype(np.float32))
+    adr, kind = wp.array(np.arange(3), dtype=int), wp.array(kind_np, dtype=int)
+    program = warpnn.trace(lambda: wp.launch(with_a_rare_kind, 3, [adr, kind, q, q]), {"q": q}, {"q": q})
+    if kind_np.any():
+        assert "touches an element other than" in program.reverse_refusals()["with_a_rare_kind"]
+        return
+    assert program.reverse_refusals() == {}
+    weights = jnp.cos(jnp.arange(4.0))
+    grad = jax.grad(lambda q: (weights * program({"q": q})["q"] ** 2).sum())(jnp.linspace(0.5, 1.5, 4))
+    reference = jax.grad(lambda q: (weights * q.at[:3].multiply(2.0) ** 2).sum())(jnp.linspace(0.5, 1.5, 4))
+    assert_close(grad, reference, rtol=1e-5)
+
+
 @wp.kernel
 def reads_in_conditions(adr: wp.array(dtype=int), q_in: wp.array(dtype=float), q_out: wp.array(dtype=float)):
     j = wp.tid()

@@ -268,7 +268,7 @@ class _ProbeBuilder:
             tested = self._reads(stmt.test, where, stmt.lineno, condition=True)  # (it runs before either side)
             known = self._is_known(stmt.test, where.loads and not self.after_return)
             inner = where if known else dataclasses.replace(where, loads=False)
-            arms = (self._block(stmt.body, inner), self._block(stmt.orelse, inner))
+            arms = (self._arm(stmt.body, inner, known, stmt.lineno), self._arm(stmt.orelse, inner, known, stmt.lineno))
             if known:
                 lines = [f"if {ast.unparse(stmt.test)}:", *(f"    {a}" for a in arms[0] or ["pass"])]
                 if arms[1]:
@@ -307,6 +307,19 @@ class _ProbeBuilder:
 
     def _block(self, body: list[ast.stmt], where: _Where) -> list[str]:
         return [line for s in body for line in self._statement(s, where)]
+
+    def _arm(self, body: list[ast.stmt], where: _Where, decided: bool, lineno: int) -> list[str]:
+        """One side of an ``if``. A side the probe cannot follow (an index it cannot compute, the array passed to a
+        function) under a condition the constants decide becomes an access at index -1: a thread that takes it
+        fails the proof (``_check``: an index out of range), and a launch whose threads never take it (mujoco_warp's
+        DC-motor branch in a model without DC motors) keeps its proof. Columns or views the side had begun stay
+        unwritten (not reached) or undefined (the probe does not build: no proof)."""
+        try:
+            return self._block(body, where)
+        except _NoProof:
+            if not decided or not body:
+                raise
+            return self._record("write", [ast.Constant(-1)] * (self.ndim or 0), where, lineno)
 
     # --
 
