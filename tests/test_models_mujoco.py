@@ -540,7 +540,7 @@ def test_box_falling_onto_a_plane(box):
     assert abs(float(traj["qpos"][-1, 0, 2]) - 0.1) < 5e-3  # resting on the plane
 
 
-@pytest.mark.parametrize("steps", [1, 10, 100])
+@pytest.mark.parametrize("steps", [1, pytest.param(10, marks=pytest.mark.slow), 100])  # (10: slow, for CI's time)
 def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box, steps):
     """The contact tier: a tilted box sliding on the plane (4 corner contacts, friction pyramids), jax.grad through
     1, 10 and 100 steps w.r.t. the initial velocity and the contact parameters (geom_friction, and geom_solref,

@@ -267,21 +267,28 @@ def pendulum_chain(links=3):
     return model, newton.solvers.SolverFeatherstone(model), state
 
 
+def replay_and_newtons_loop(model, solver, start, step, fields, steps):
+    """``step``'s rollout of ``steps`` from ``start`` and Newton's own loop over them: the initial state pytree,
+    the replay's final state and Newton's final ``State``."""
+    state0 = {k: jnp.asarray(getattr(start, k).numpy()) for k in fields}
+    final, _ = jax.jit(lambda s: rollout(step, s, None, num_steps=steps))(state0)
+    states = [model.state() for _ in range(steps + 1)]
+    for k in fields:
+        getattr(states[0], k).assign(getattr(start, k))
+    for t in range(steps):
+        states[t].clear_forces()
+        solver.step(states[t], states[t + 1], None, None, DT)
+    return state0, final, states[steps]
+
+
 def test_featherstone_forward_equals_newton_and_reverse_is_refused():
     model, solver, start = pendulum_chain()
     fields = ("joint_q", "joint_qd", "body_q", "body_qd")
     step = NewtonStep(model, solver, DT, state_fields=fields)
-    state0 = {k: jnp.asarray(getattr(start, k).numpy()) for k in fields}
-    final, _ = jax.jit(lambda s: rollout(step, s, None, num_steps=T))(state0)
-    states = [model.state() for _ in range(T + 1)]
-    for k in fields:
-        getattr(states[0], k).assign(getattr(start, k))
-    for t in range(T):
-        states[t].clear_forces()
-        solver.step(states[t], states[t + 1], None, None, DT)
+    state0, final, newtons = replay_and_newtons_loop(model, solver, start, step, fields, T)
     for k in ("joint_q", "body_q"):
-        assert np.abs(np.asarray(final[k]) - getattr(states[T], k).numpy()).max() <= 1e-6, k
-    assert np.abs(states[T].joint_q.numpy()).max() > 1e-3  # it moved
+        assert np.abs(np.asarray(final[k]) - getattr(newtons, k).numpy()).max() <= 1e-6, k
+    assert np.abs(newtons.joint_q.numpy()).max() > 1e-3  # it moved
     # Its forward-kinematics kernels read elements other threads of the launch write: the bridge refuses to
     # differentiate them rather than return a wrong gradient (a tape over many steps is off, see NEWTON-FACTS).
     with pytest.raises(TypeError, match="cannot be differentiated"):
@@ -319,17 +326,10 @@ def test_featherstone_with_tile_gemm_forward_equals_newton():
     step = NewtonStep(model, solver, DT)
     fields = step.state_fields
     assert any(launch.block_dim for launch in step.program.launches())  # the tiled launches are recorded
-    state0 = {k: jnp.asarray(getattr(start, k).numpy()) for k in fields}
-    final, _ = jax.jit(lambda s: rollout(step, s, None, num_steps=T))(state0)
-    states = [model.state() for _ in range(T + 1)]
-    for k in fields:
-        getattr(states[0], k).assign(getattr(start, k))
-    for t in range(T):
-        states[t].clear_forces()
-        solver.step(states[t], states[t + 1], None, None, DT)
+    _, final, newtons = replay_and_newtons_loop(model, solver, start, step, fields, T)
     for k in ("joint_q", "body_q"):
-        assert np.abs(np.asarray(final[k]) - getattr(states[T], k).numpy()).max() <= 1e-5, k
-    assert np.abs(states[T].joint_q.numpy()).max() > 1e-3
+        assert np.abs(np.asarray(final[k]) - getattr(newtons, k).numpy()).max() <= 1e-5, k
+    assert np.abs(newtons.joint_q.numpy()).max() > 1e-3
 
 
 @pytest.mark.slow  # (~40 s on 2 cores: the suite keeps under 10 minutes on CI; pytest --slow runs it)
@@ -345,18 +345,10 @@ def test_mujoco_solver_forward_equals_newton_and_reverse_is_refused_with_the_rea
     solver = newton.solvers.SolverMuJoCo(model, use_mujoco_cpu=False)
     fields = ("joint_q", "joint_qd", "body_q", "body_qd")
     step = NewtonStep(model, solver, DT, state_fields=fields)
-    steps = 20
-    state0 = {k: jnp.asarray(getattr(start, k).numpy()) for k in fields}
-    final, _ = jax.jit(lambda s: rollout(step, s, None, num_steps=steps))(state0)
-    states = [model.state() for _ in range(steps + 1)]
+    state0, final, newtons = replay_and_newtons_loop(model, solver, start, step, fields, 20)
     for k in fields:
-        getattr(states[0], k).assign(getattr(start, k))
-    for t in range(steps):
-        states[t].clear_forces()
-        solver.step(states[t], states[t + 1], None, None, DT)
-    for k in fields:
-        assert np.abs(np.asarray(final[k]) - getattr(states[steps], k).numpy()).max() <= 1e-6, k
-    assert np.abs(states[steps].joint_q.numpy()).max() > 1e-3  # it moved
+        assert np.abs(np.asarray(final[k]) - getattr(newtons, k).numpy()).max() <= 1e-6, k
+    assert np.abs(newtons.joint_q.numpy()).max() > 1e-3  # it moved
     refusals = step.program.reverse_refusals()
     assert any(name.startswith("wp.capture_while") for name in refusals), sorted(refusals)
     assert "another thread wrote" in refusals["eval_articulation_fk"]
