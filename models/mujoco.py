@@ -650,10 +650,11 @@ def _contact_rules(m) -> list:
       Rule: the contact's distance, position and frame recomputed in JAX from ``geom_xpos`` / ``geom_xmat`` (and
       ``geom_size``) for the pair and the collision id the launch left in each written slot (the box's corner, the
       capsule's end, the second pair of parallel capsules), as mujoco_warp's ``plane_sphere``, ``plane_box``,
-      ``plane_capsule``, ``sphere_sphere``, ``sphere_capsule`` and ``capsule_capsule`` compute them; friction, ``solref``,
-      ``solimp`` and the margin from ``geom_friction``, ``geom_solref``, ``geom_solimp``, ``geom_solmix`` and
-      ``geom_margin`` as ``collision_core.contact_material_params`` mixes them (contact stiffness, damping,
-      impedance and margins differentiate); the gap only decides which contacts are made. Other primitive pairs, or explicit ``<pair>`` contacts, make the rule refuse, naming them.
+      ``plane_capsule``, ``sphere_sphere``, ``sphere_capsule`` and ``capsule_capsule`` compute them; friction,
+      ``solref``, ``solimp`` and the margin from ``geom_friction``, ``geom_solref``, ``geom_solimp``,
+      ``geom_solmix`` and ``geom_margin`` as ``collision_core.contact_material_params`` mixes them (contact
+      stiffness, damping, impedance and margins differentiate); the gap only decides which contacts are made.
+      Other primitive pairs, or explicit ``<pair>`` contacts, make the rule refuse, naming them.
     * ``constraint._efc_contact_jac_dense``: the contact rows of the dense constraint Jacobian (a tile kernel:
       ``wp.tile_reduce`` has no adjoint). Rule: each row from ``cdof``, ``subtree_com``, the contact's position,
       frame and friction (pyramidal cones), and ``efc.Jqvel`` += ``J qvel``, as the kernel computes them.
