@@ -482,15 +482,15 @@ def test_actuators_with_activation_dynamics_and_joint_friction_differentiate(act
     step, mjm, mjd = actuated
     assert step.reverse_refusals() == {}
     s0 = step.initial_state()
-    assert int(np.asarray(step(s0)["nefc"]).max()) == 2  # a friction row per joint with friction
     weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
 
     def loss(params, ctrl, act):
         final, _ = rollout(step, {**s0, "ctrl": ctrl, "act": act}, params=params, num_steps=steps)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32), final["nefc"]
 
-    params, ctrl, act = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+    (params, ctrl, act), rows = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
         step.initial_params(), jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.act[None], jnp.float32))
+    assert int(np.asarray(rows).max()) == 2  # a friction row per joint with friction
     checks = [("ctrl", ctrl, lambda m, d: d.ctrl), ("act", act, lambda m, d: d.act)]
     checks += [(f, params[f], lambda m, d, f=f: getattr(m, f)) for f in ACTUATOR_PARAMS]
     for name, value, where in checks:
