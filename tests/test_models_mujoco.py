@@ -549,9 +549,9 @@ def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box
     rule) against central differences of mj_step (float64): 1e-2 relative asked, measured <= 1.3e-6 for velocity
     and friction (2026-12-05, CPU), <= 7e-6 for the others through one step (2026-12-06). Every stage
     differentiates: the broadphase writes integers only, the narrowphase, the contact Jacobian and the position
-    update by their rules (warpnn_models.mujoco._contact_rules, _position_rule), the solver implicitly. And from rest in the air
-    (angular velocity exactly 0, where mujoco_warp's quaternion integration has a zero adjoint), the first
-    step's gradient w.r.t. the angular velocity is mj_step's too."""
+    update by their rules (warpnn_models.mujoco._contact_rules, _position_rule), the solver implicitly. And from
+    rest in the air (angular velocity exactly 0, where mujoco_warp's quaternion integration has a zero adjoint),
+    the first step's gradient w.r.t. the angular velocity is mj_step's too."""
     step, mjm, _ = box
     assert step.reverse_refusals() == {}
     s0 = step.initial_state()
