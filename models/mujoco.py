@@ -838,9 +838,11 @@ def _warn_of_static_geoms(mjm, param_fields: Sequence[str]) -> None:
     import numpy as np
 
     fields = [f for f in ("geom_pos", "geom_quat") if f in param_fields]
+    if not fields:
+        return
     body = mjm.geom_bodyid
     static = np.nonzero((mjm.body_weldid[body] == 0) & (mjm.body_mocapid[mjm.body_rootid[body]] == -1))[0]
-    if not fields or not static.size:
+    if not static.size:
         return
     names = [mujoco.mj_id2name(mjm, mujoco.mjtObj.mjOBJ_GEOM, int(g)) or f"geom {g}" for g in static]
     warnings.warn(

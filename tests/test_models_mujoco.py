@@ -303,6 +303,11 @@ def test_modules_equal_the_step(arm):
         np.testing.assert_array_equal(np.asarray(got["qvel"]), np.asarray(expected["qvel"]))
 
 
+def weighted_state(final, weights):
+    """``weights . [qpos; qvel]`` of world 0 of a replayed state: the quantity ``mj_step_gradient`` differentiates."""
+    return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+
+
 def mj_step_gradient(mjm, mjd, steps, weights, where, eps=1e-6):
     """d(weights . [qpos; qvel] after ``steps`` mj_steps) / d(the values ``where(model, data)`` returns, at the
     start): central differences in float64, each entry of the array perturbed on a fresh copy of model and data."""
@@ -353,7 +358,7 @@ def test_arm_gradient_matches_finite_differences_of_mj_step(arm, steps):
 
     def loss(ctrl, qvel, params):
         final, _ = rollout(step, {**s0, "ctrl": ctrl, "qvel": qvel}, params=params, num_steps=steps)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+        return weighted_state(final, weights)
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
         jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params())
@@ -416,7 +421,7 @@ def test_cartpole_with_joint_limit_equals_mujoco_warp_and_differentiates_through
 
     def loss(ctrl, qvel):
         final, _ = rollout(step, {**step.initial_state(), "ctrl": ctrl, "qvel": qvel}, num_steps=T)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+        return weighted_state(final, weights)
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.full((1, 1), 0.3, jnp.float32),
                                                      jnp.asarray(mjd.qvel[None], jnp.float32))
@@ -487,7 +492,7 @@ def test_actuators_with_activation_dynamics_and_joint_friction_differentiate(act
 
     def loss(params, ctrl, act):
         final, _ = rollout(step, {**s0, "ctrl": ctrl, "act": act}, params=params, num_steps=steps)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32), final["nefc"]
+        return weighted_state(final, weights), final["nefc"]
 
     (params, ctrl, act), rows = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
         step.initial_params(), jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.act[None], jnp.float32))
@@ -559,7 +564,7 @@ def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box
 
     def loss(qpos, qvel, params):
         final, _ = rollout(step, {**s0, "qpos": qpos, "qvel": qvel}, params=params, num_steps=steps)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+        return weighted_state(final, weights)
 
     grad = jax.jit(jax.grad(loss, argnums=(1, 2)))
     starts = [([0, 0, 0.1005, 0.995, 0.0998, 0, 0], [0.3, 0.0, -0.2, 0.0, 0.0, 0.0])]  # touching, tilted, sliding
@@ -628,7 +633,7 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
 
     def loss(qpos, qvel, ctrl, params):
         final, _ = rollout(step, {**s0, "qpos": qpos, "qvel": qvel, "ctrl": ctrl}, params=params, num_steps=steps)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+        return weighted_state(final, weights)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     for shoulder in ([0.9, 0.2, -0.3, 0.1], [1.0, 0.0, 0.0, 0.0]):  # turned; at the spring's reference
@@ -661,7 +666,7 @@ def test_applied_forces_differentiate_where_they_are_zero(tree):
 
     def loss(qfrc, xfrc):
         final, _ = rollout(step, {**s0, "qfrc_applied": qfrc, "xfrc_applied": xfrc}, num_steps=1)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+        return weighted_state(final, weights)
 
     gradient = jax.jit(jax.grad(loss, argnums=(0, 1)))
     for force in (0.0, 0.5):
@@ -691,7 +696,7 @@ def test_a_boundary_no_rule_covers_gives_nan_not_the_side_taken():
 
     def loss(qpos):
         final, _ = rollout(step, {**s0, "qpos": qpos}, num_steps=1)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+        return weighted_state(final, weights)
 
     got = np.ravel(jax.jit(jax.grad(loss))(jnp.asarray(mjd.qpos[None], jnp.float32)))
     expected = mj_step_gradient(mjm, mjd, 1, weights, lambda m, d: d.qpos)
@@ -756,7 +761,7 @@ def contact_gradients(step, mjm, mjd, steps):
     def loss(qvel, params):
         start_state = {**s0, "qpos": jnp.asarray(mjd.qpos[None], jnp.float32), "qvel": qvel}
         final, _ = rollout(step, start_state, params=params, num_steps=steps)
-        return jnp.concatenate([final["qpos"][0], final["qvel"][0]]) @ jnp.asarray(weights, jnp.float32)
+        return weighted_state(final, weights)
 
     got = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params())
     friction = mj_step_gradient(mjm, mjd, steps, weights, lambda m, d: m.geom_friction)

@@ -317,7 +317,7 @@ class _ProbeBuilder:
         try:
             return self._block(body, where)
         except _NoProof:
-            if not decided or not body:
+            if not decided:
                 raise
             return self._record("write", [ast.Constant(-1)] * (self.ndim or 0), where, lineno)
 
