@@ -234,6 +234,22 @@ def _setup() -> str:
             f"{warpnn._launch.LAUNCHER.name}")
 
 
+def _commit() -> str:
+    """The warpnn commit measured (``+`` where the checkout had changes), or "" outside a git checkout: rows merged
+    from several runs then say which code each timed."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+" if changed else "")
+
+
 def markdown(rows: list[dict]) -> str:
     columns = [c for c in _COLUMNS if any(c in r for r in rows)]
     setups = list(dict.fromkeys(r.get("setup", "?") for r in rows))
@@ -245,10 +261,10 @@ def markdown(rows: list[dict]) -> str:
         f"{' / '.join(setups)}. " + "; ".join(f"`{c}`" for c in commands) + ". MJX warp runs the copy of "
         "mujoco_warp that mujoco-mjx vendors, not the installed one. A cell with an error names why that case did "
         "not run (reverse mode: the first kernel refused, `MujocoStep.reverse_refusals()` lists all). bwd cost: "
-        "warpnn fwd / warpnn fwd+bwd.",
+        "warpnn fwd / warpnn fwd+bwd. commit: the warpnn code each row timed.",
         "",
-        "| model | nv | worlds | " + " | ".join(columns) + " | warpnn / mujoco_warp | bwd cost |",
-        "|---|---|---|" + "---|" * (len(columns) + 2),
+        "| model | nv | worlds | " + " | ".join(columns) + " | warpnn / mujoco_warp | bwd cost | commit |",
+        "|---|---|---|" + "---|" * (len(columns) + 3),
     ]
     for r in rows:
         cells = [f"{r[c]:,}" if isinstance(r.get(c), int) else _short(str(r.get(c, ""))) for c in columns]
@@ -256,7 +272,8 @@ def markdown(rows: list[dict]) -> str:
         ratio = f"{r['warpnn fwd'] / base:.2f}" if isinstance(base, int) and isinstance(r.get("warpnn fwd"), int) else ""
         both = r.get("warpnn fwd+bwd")
         cost = f"{r['warpnn fwd'] / both:.1f}x" if isinstance(both, int) and isinstance(r.get("warpnn fwd"), int) else ""
-        lines.append(f"| {r['model']} | {r['nv']} | {r['nworld']:,} | " + " | ".join(cells) + f" | {ratio} | {cost} |")
+        lines.append(f"| {r['model']} | {r['nv']} | {r['nworld']:,} | " + " | ".join(cells)
+                     + f" | {ratio} | {cost} | {r.get('commit', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -282,16 +299,16 @@ def main(argv=None) -> None:
         atomic_write_bytes(out / f"mujoco-step-{args.table_only}.md", markdown(rows).encode())
         return
     name = f"mujoco-step-{'gpu' if on_gpu else 'cpu'}"
-    measured_with = {"setup": _setup(), "command": "python -m benchmarks mujoco_step " + " ".join(
+    measured_with = {"setup": _setup(), "commit": _commit(), "command": "python -m benchmarks mujoco_step " + " ".join(
         sys.argv[1:] if argv is None else argv)}
-    kept = []
-    if args.merge and (out / f"{name}.json").exists():
-        measuring = {(m, n) for m in args.models for n in args.nworld}
-        kept = [r for r in json.loads((out / f"{name}.json").read_text()) if (r["model"], r["nworld"]) not in measuring]
-    rows, table = [], kept
+    earlier = json.loads((out / f"{name}.json").read_text()) if args.merge and (out / f"{name}.json").exists() else []
+    rows, table = [], earlier
     for row in run(args.models, args.nworld, args.steps, args.rounds, args.vmap_up_to):
-        # the tables are rewritten after each row: a run cut short keeps what it measured
+        # the tables are rewritten after each row: a run cut short keeps what it measured, and with --merge the
+        # earlier rows it did not get to
         rows.append({**row, **measured_with})
+        measured = {(r["model"], r["nworld"]) for r in rows}
+        kept = [r for r in earlier if (r["model"], r["nworld"]) not in measured]
         table = sorted(kept + rows, key=lambda r: (list(MODELS).index(r["model"]), r["nworld"]))
         atomic_write_bytes(out / f"{name}.json", (json.dumps(table, indent=1) + "\n").encode())
         atomic_write_bytes(out / f"{name}.md", markdown(table).encode())

@@ -91,11 +91,13 @@ def _inertia_to_dense(m) -> Callable[[jax.Array], jax.Array]:
     where = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)]).astype(np.int32)
     rows = np.repeat(np.arange(m.nv), rownnz).astype(np.int32)
     cols = colind[where].astype(np.int32)
-    off = rows != cols
+    # dense[w, i, j] = M[w, k] for the CSR entry k of (i, j) or (j, i), else an appended zero: one gather (its
+    # transpose adds two entries per k), where building the matrix by scatters costs more on a GPU
+    entry = np.full((m.nv, m.nv), -1, np.int32)
+    entry[rows, cols] = entry[cols, rows] = where
 
     def dense(M):
-        lower = jnp.zeros((M.shape[0], m.nv, m.nv), M.dtype).at[:, rows, cols].set(M[:, where])
-        return lower + jnp.swapaxes(lower.at[:, rows[~off], cols[~off]].set(0), 1, 2)
+        return jnp.concatenate([M, jnp.zeros_like(M[:, :1])], 1)[:, np.where(entry < 0, M.shape[1], entry)]
 
     return dense
 
@@ -127,7 +129,7 @@ def _stage_rules(m) -> list:
 
     def solve_rule(before, after):
         y = before["y"]
-        x = jnp.linalg.solve(dense(before["M"]), y[:, :nv, None])[..., 0]
+        x = _spd_solve(dense(before["M"]), y[:, :nv])
         return {"x": after["x"].at[:, :nv].set(x) if after["x"].shape[1] > nv else x}
 
     unsupported = ("a sparse constraint Jacobian" if m.is_sparse else
@@ -147,18 +149,17 @@ def _stage_rules(m) -> list:
             - jnp.where(rows & (state == positive), before["efc.frictionloss"], 0.0)
 
         def force(a):
-            return -d * (jnp.einsum("wrv,wv->wr", J, a) - before["efc.aref"]) + linear
+            return -d * (_matvec(J, a) - before["efc.aref"]) + linear
 
         def residual(a):
-            return jnp.einsum("wuv,wv->wu", M, a - before["qacc_smooth"][:, :nv]) - jnp.einsum("wrv,wr->wv", J, force(a))
+            return _matvec(M, a - before["qacc_smooth"][:, :nv]) - _matvec_transposed(J, force(a))
 
         solution = after["qacc"][:, :nv]
         hessian = jax.lax.stop_gradient(M + jnp.einsum("wrv,wr,wru->wvu", J, d, J))
-        a = solution - jnp.linalg.solve(hessian, residual(solution)[..., None])[..., 0]
+        a = solution - _spd_solve(hessian, residual(solution))
         f = force(a)
-        return {"qacc": a, "qfrc_constraint": jnp.einsum("wrv,wr->wv", J, f),
-                "efc.force": jnp.where(rows, f, before["efc.force"]),
-                "efc.Ma": jnp.einsum("wuv,wv->wu", M, a)}
+        return {"qacc": a, "qfrc_constraint": _matvec_transposed(J, f),
+                "efc.force": jnp.where(rows, f, before["efc.force"]), "efc.Ma": _matvec(M, a)}
 
     factor_solve = warpnn.StageRule(
         smooth, "factor_solve_i", solve_rule,
@@ -181,6 +182,59 @@ def _stage_rules(m) -> list:
     )
     return [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
             *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m)]
+
+
+# The rules' products of per-world matrices and vectors are written as products and sums, which XLA fuses into one
+# pass over the matrix, and not as einsums: at full float32 precision a batched matrix-vector product lowers on a
+# GPU to cuBLAS's strided-batched GEMV, the largest item of the humanoid's backward at 8,192 worlds in an H100
+# profile (with the contact Jacobian rule's per-row products, which that rule no longer forms).
+def _matvec(A, x):
+    """``A @ x`` per world: ``(w, n, m), (w, m) -> (w, n)``."""
+    return jnp.sum(A * x[:, None, :], -1)
+
+
+def _matvec_transposed(A, y):
+    """``A.T @ y`` per world: ``(w, n, m), (w, n) -> (w, m)``."""
+    return jnp.sum(A * y[:, :, None], 1)
+
+
+def _spd_solve(A, b):
+    """``A^-1 b`` per world for symmetric positive definite ``A`` (an inertia, or inertia plus ``J' D J``).
+
+    By Cholesky, whose factor the solve's derivative reuses (``lax.custom_linear_solve``, as
+    ``jax.scipy.linalg.solve(assume_a="pos")`` does), written out in JAX (:func:`_cholesky`,
+    :func:`_cholesky_solve`) rather than called from LAPACK or cuSOLVER: one code path on every platform, made of
+    XLA fusions like the rest of the rules, with no library call in the loop body. jaxlib 0.10's batched LAPACK kernels split their
+    batch over XLA's CPU thread pool and wait for the pieces: two running at once (the inertia's and the constraint
+    solver's solves, in a step's backward) waited on each other forever on a two-core machine (measured: 512 worlds'
+    27 x 27 LU factorizations, 4,096 worlds' Cholesky).
+    """
+    factor = _cholesky(jax.lax.stop_gradient(A))
+    return jax.lax.custom_linear_solve(lambda x: _matvec(A, x), b, lambda _, x: _cholesky_solve(factor, x),
+                                       symmetric=True)
+
+
+def _cholesky(A):
+    """The lower Cholesky factor per world, column by column (``n`` steps, each over every world)."""
+    n = A.shape[-1]
+    below = jnp.arange(n)
+    L = jnp.zeros_like(A)
+    for j in range(n):
+        column = A[:, :, j] - jnp.sum(L[:, :, :j] * L[:, j : j + 1, :j], -1)
+        L = L.at[:, :, j].set(jnp.where(below >= j, column / jnp.sqrt(column[:, j : j + 1]), 0.0))
+    return L
+
+
+def _cholesky_solve(L, x):
+    """``(L L')^-1 x`` per world, by forward then back substitution."""
+    n = x.shape[-1]
+    y = jnp.zeros_like(x)
+    for j in range(n):
+        y = y.at[:, j].set((x[:, j] - jnp.sum(L[:, j, :j] * y[:, :j], -1)) / L[:, j, j])
+    z = jnp.zeros_like(x)
+    for j in reversed(range(n)):
+        z = z.at[:, j].set((y[:, j] - jnp.sum(L[:, j + 1 :, j] * z[:, j + 1 :], -1)) / L[:, j, j])
+    return z
 
 
 def _quat_integrate(q, omega, dt):
@@ -674,7 +728,7 @@ def _contact_rules(m) -> list:
     geom_priority = np.asarray(m.geom_priority.numpy())
     geom_bodyid = np.asarray(m.geom_bodyid.numpy())
     body_rootid = np.asarray(m.body_rootid.numpy())
-    isdofancestor = np.asarray(m.body_isdofancestor.numpy())[:, : m.nv]
+    isdofancestor = np.asarray(m.body_isdofancestor.numpy())[:, : m.nv] != 0
     ntypes = len(types.GeomType)
     present = [(t1, t2) for t1 in range(ntypes) for t2 in range(t1, ntypes)
                if (t1, t2) in {(int(a), int(b)) for a, b in collision_primitive._PRIMITIVE_COLLISIONS}
@@ -694,26 +748,33 @@ def _contact_rules(m) -> list:
         slot = jnp.arange(after["contact_dist_out"].shape[0])
         written = (slot >= before["nacon_out"][0]) & (slot < after["nacon_out"][0])
         pairs = jnp.clip(after["contact_geom_out"], 0, geom_type.size - 1)
-        world = jnp.clip(after["contact_worldid_out"], 0, before["geom_xpos_in"].shape[0] - 1)
+        nworld = before["geom_xpos_in"].shape[0]
+        # (a slot nothing wrote reads some world's geoms and is masked out below: each its own world, so that the
+        # zero cotangents of a mostly empty contact buffer do not all add into one world's geoms)
+        world = jnp.where(written, jnp.clip(after["contact_worldid_out"], 0, nworld - 1), slot % nworld)
         g1, g2 = pairs[:, 0], pairs[:, 1]
         xpos, xmat = before["geom_xpos_in"], before["geom_xmat_in"]
-        size = before["geom_size"][world % before["geom_size"].shape[0]]
+
+        def geom(name, g):  # a geom parameter for each slot's world (one gather: no (slot, geom) table)
+            return before[name][world % before[name].shape[0], g]
+
         p1, p2, rot2 = xpos[world, g1], xpos[world, g2], xmat[world, g2]
         normal = xmat[world, g1][:, :, 2]  # (a plane's z axis)
-        r1, r2 = size[slot, g1][:, 0], size[slot, g2][:, 0]
+        size1, size2 = geom("geom_size", g1), geom("geom_size", g2)
+        r1, r2 = size1[:, 0], size2[:, 0]
         # plane-sphere
         sphere_dist = jnp.sum((p2 - p1) * normal, -1) - r2
         sphere_pos = p2 - normal * (r2 + 0.5 * sphere_dist)[:, None]
         # plane-box: the corner the collision id names (bit k: + or - half-size along the box's axis k)
         bits = (after["contact_geomcollisionid_out"][:, None] >> jnp.arange(3)) & 1
-        corner = jnp.einsum("cij,cj->ci", rot2, jnp.where(bits == 1, 1.0, -1.0) * size[slot, g2])
+        corner = jnp.einsum("cij,cj->ci", rot2, jnp.where(bits == 1, 1.0, -1.0) * size2)
         box_dist = jnp.sum((p2 - p1) * normal, -1) + jnp.sum(normal * corner, -1)
         box_pos = corner + p2 - 0.5 * normal * box_dist[:, None]
         balls_dist, balls_pos, between = _sphere_sphere(p1, r1, p2, r2)
         # capsules (axis: the geom's z; size: radius, half-length), as collision_primitive_core computes them
         cid = after["contact_geomcollisionid_out"]
         axis1, axis2 = xmat[world, g1][:, :, 2], rot2[:, :, 2]
-        half1, half2 = size[slot, g1][:, 1:2], size[slot, g2][:, 1:2]
+        half1, half2 = size1[:, 1:2], size2[:, 1:2]
         end = p2 + jnp.where(cid == 0, 1.0, -1.0)[:, None] * axis2 * half2  # plane-capsule: contact 0 at +axis
         plane_cap_dist = jnp.sum((end - p1) * normal, -1) - r2
         plane_cap_pos = end - normal * (r2 + 0.5 * plane_cap_dist)[:, None]
@@ -736,29 +797,24 @@ def _contact_rules(m) -> list:
         dist = jnp.where(on_plane_cap, plane_cap_dist, dist)
         pos = jnp.where(on_plane_cap[:, None], plane_cap_pos, pos)
         frame = jnp.where(on_plane_cap[:, None, None], plane_cap_frame, _make_frame(towards))
-        friction_of = before["geom_friction"][world % before["geom_friction"].shape[0]]
-        f1, f2 = friction_of[slot, g1], friction_of[slot, g2]
+        f1, f2 = geom("geom_friction", g1), geom("geom_friction", g2)
         q1, q2 = jnp.asarray(geom_priority)[g1][:, None], jnp.asarray(geom_priority)[g2][:, None]
         mixed = jnp.where(q1 > q2, f1, jnp.where(q2 > q1, f2, jnp.maximum(f1, f2)))
         friction = mixed[:, jnp.array([0, 0, 1, 2, 2])]
         # the pair's solver parameters, as collision_core.contact_material_params mixes them (solmix weights the
         # two geoms where neither has priority) and contact_margin_gap adds the margins
-        solmix = before["geom_solmix"][world % before["geom_solmix"].shape[0]]
-        w1, w2 = solmix[slot, g1], solmix[slot, g2]
+        w1, w2 = geom("geom_solmix", g1), geom("geom_solmix", g2)
         small1, small2 = w1 < types.MJ_MINVAL, w2 < types.MJ_MINVAL
         even = w1 / jnp.where(w1 + w2 != 0.0, w1 + w2, types.MJ_MINVAL)  # (math.safe_div)
         even = jnp.where(small1 & small2, 0.5, jnp.where(small1, 0.0, jnp.where(small2, 1.0, even)))
         mix = jnp.where(q1[:, 0] > q2[:, 0], 1.0, jnp.where(q2[:, 0] > q1[:, 0], 0.0, even))[:, None]
-        solref_of = before["geom_solref"][world % before["geom_solref"].shape[0]]
-        s1, s2 = solref_of[slot, g1], solref_of[slot, g2]
+        s1, s2 = geom("geom_solref", g1), geom("geom_solref", g2)
         both_positive = ((s1[:, 0] > 0.0) & (s2[:, 0] > 0.0))[:, None]  # (else direct mode: the smaller)
         solref = jnp.where(both_positive, mix * s1 + (1.0 - mix) * s2, jnp.minimum(s1, s2))
-        solimp_of = before["geom_solimp"][world % before["geom_solimp"].shape[0]]
-        solimp = mix * solimp_of[slot, g1] + (1.0 - mix) * solimp_of[slot, g2]
-        margin_of = before["geom_margin"][world % before["geom_margin"].shape[0]]
+        solimp = mix * geom("geom_solimp", g1) + (1.0 - mix) * geom("geom_solimp", g2)
         computed = {"contact_dist_out": dist, "contact_pos_out": pos, "contact_frame_out": frame,
                     "contact_friction_out": friction, "contact_solref_out": solref, "contact_solimp_out": solimp,
-                    "contact_includemargin_out": margin_of[slot, g1] + margin_of[slot, g2]}
+                    "contact_includemargin_out": geom("geom_margin", g1) + geom("geom_margin", g2)}
         out = {}
         for name in contact_floats:  # (the rest: functions of model constants, as the launch wrote them)
             value = computed.get(name, after[name])
@@ -777,34 +833,36 @@ def _contact_rules(m) -> list:
         con = jnp.clip(after["efc_id_in"], 0, after["condim_in"].shape[0] - 1)  # (world, row)
         world = jnp.arange(J.shape[0])[:, None]
         geoms = after["geom_in"][con]
-        cdof = before["cdof_in"][:, :nv]  # (world, dof, 6): angular, then linear
-        pos = before["pos_in"][con]
 
-        def point_jacobian(geom):
-            body = jnp.asarray(geom_bodyid)[geom]
-            offset = pos - before["subtree_com_in"][world, jnp.asarray(body_rootid)[body]]
-            affects = jnp.asarray(isdofancestor)[body][..., None]  # (world, row, dof, 1)
-            ang = jnp.broadcast_to(cdof[:, None, :, :3], affects.shape[:-1] + (3,))
-            lin = cdof[:, None, :, 3:] + jnp.cross(ang, offset[:, :, None, :])
-            return affects * lin, affects * ang
-
-        jp1, jr1 = point_jacobian(geoms[..., 0])
-        jp2, jr2 = point_jacobian(geoms[..., 1])
+        # A contact row is d . Jp2 - d . Jp1 (+ w . Jr2 - w . Jr1 for a torsional or rolling row): the point Jacobians
+        # of the two geoms' bodies, projected on the row's linear direction d (the normal, plus the signed friction
+        # direction of a pyramid's edge) and angular direction w. With cdof = (angular, linear) per dof and the
+        # contact point's offset r from the body's subtree root: Jp = cdof_lin + cdof_ang x r and Jr = cdof_ang, so
+        # d . Jp + w . Jr = cdof . (r x d + w, d). Projecting first keeps every intermediate (world, row, dof)-sized.
         frame = before["frame_in"][con]  # (world, row, 3 axes, 3)
-        along_p = jnp.einsum("wrdk,wrak->wrad", jp2 - jp1, frame)  # (world, row, axis, dof)
-        along_r = jnp.einsum("wrdk,wrak->wrad", jr2 - jr1, frame)
-        directions = jnp.concatenate([along_p[:, :, 1:], along_r], axis=2)  # tangent 1, 2, then spin, rolling
         condim = after["condim_in"][con]
         dimid = rows - after["contact_efc_address_in"][con, 0]
-        which = jnp.clip(dimid // 2, 0, 4)
-        friction = jnp.take_along_axis(before["friction_in"][con], which[..., None], axis=-1)[..., 0]
-        sign = friction * (1.0 - 2.0 * (dimid & 1))
-        side = jnp.take_along_axis(directions, which[..., None, None], axis=2)[:, :, 0]
-        row = along_p[:, :, 0] + jnp.where((condim > 1)[..., None], sign[..., None] * side, 0.0)
+        which = jnp.clip(dimid // 2, 0, 4)  # tangent 1, 2, then spin, rolling 1, 2
+        friction = jnp.sum(jnp.where(which[..., None] == jnp.arange(5), before["friction_in"][con], 0.0), -1)
+        sign = jnp.where(condim > 1, friction * (1.0 - 2.0 * (dimid & 1)), 0.0)[..., None]
+        axis = jnp.where(which < 2, which + 1, which - 2)[..., None]  # the frame axis of the friction direction
+        side = jnp.where(axis == 0, frame[:, :, 0], jnp.where(axis == 1, frame[:, :, 1], frame[:, :, 2]))
+        linear = frame[:, :, 0] + jnp.where(which[..., None] < 2, sign * side, 0.0)
+        angular = jnp.where(which[..., None] >= 2, sign * side, 0.0)
+        cdof = before["cdof_in"][:, None, :nv]  # (world, 1, dof, 6): angular, then linear
+        pos = before["pos_in"][con]
+
+        def projected(geom):
+            body = jnp.asarray(geom_bodyid)[geom]
+            offset = pos - before["subtree_com_in"][world, jnp.asarray(body_rootid)[body]]
+            direction = jnp.concatenate([jnp.cross(offset, linear) + angular, linear], -1)[:, :, None]
+            return jnp.where(jnp.asarray(isdofancestor)[body], jnp.sum(cdof * direction, -1), 0.0)
+
+        row = projected(geoms[..., 1]) - projected(geoms[..., 0])
+        jqvel = jnp.sum(row * before["qvel_in"][:, None, :nv], -1)
         row = jnp.pad(row, ((0, 0), (0, 0), (0, J.shape[2] - nv)))
         return {"efc_J_out": jnp.where(contact_row[..., None], row, J),
-                "efc_Jqvel_out": jnp.where(contact_row, Jqvel + jnp.einsum("wrd,wd->wr", row[..., :nv],
-                                                                            before["qvel_in"][:, :nv]), Jqvel)}
+                "efc_Jqvel_out": jnp.where(contact_row, Jqvel + jqvel, Jqvel)}
 
     narrowphase = warpnn.StageRule(
         collision_primitive, "_primitive_narrowphase", narrowphase_rule, per_launch=True,

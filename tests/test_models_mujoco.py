@@ -7,6 +7,9 @@ traced model costs a JAX compile of ~100 launches (~10 s on 2 CPU cores): each m
 """
 
 import copy
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +21,8 @@ mjw = pytest.importorskip("mujoco_warp")
 mujoco = pytest.importorskip("mujoco")
 pytestmark = pytest.mark.quick_compile  # (tests/conftest.py)
 
-from .helpers import on_one_device  # noqa: E402
-from warpnn_models.mujoco import MujocoStep, equinox_module, nnx_module, rollout  # noqa: E402
+from .helpers import ROOT, assert_close, on_one_device, subprocess_env  # noqa: E402
+from warpnn_models.mujoco import MujocoStep, _spd_solve, equinox_module, nnx_module, rollout  # noqa: E402
 
 T = 50
 
@@ -806,3 +809,49 @@ def test_humanoid_differentiates():
     mjd.qvel[:] = np.random.default_rng(0).normal(size=mjm.nv) * 0.1
     for got, expected in contact_gradients(step, mjm, mjd, 1):
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3 * np.abs(expected).max())
+
+
+def test_the_rules_solve_equals_a_dense_solve_with_its_gradient():
+    """The inertia's and the constraint solver's rules solve by Cholesky, written out in JAX, with the derivative
+    ``custom_linear_solve`` gives: against ``jnp.linalg.solve`` (LU), values and gradients with respect to the matrix
+    and the right-hand side."""
+    rng = np.random.default_rng(0)
+    B = rng.standard_normal((5, 7, 7))
+    A = jnp.asarray(B @ B.transpose(0, 2, 1) + 7 * np.eye(7), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((5, 7)), jnp.float32)
+
+    def dense(A, b):
+        return jnp.linalg.solve(A, b[..., None])[..., 0]
+
+    def loss(solve):
+        return lambda A, b: jnp.sum(jnp.sin(solve(A, b)))
+
+    assert_close(jax.jit(_spd_solve)(A, b), dense(A, b), rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.grad(loss(_spd_solve), (0, 1))(A, b), jax.grad(loss(dense), (0, 1))(A, b)):
+        assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+TWO_SOLVES_AT_ONCE = """
+import jax, jax.numpy as jnp
+from warpnn_models.mujoco import _spd_solve
+A = jax.random.normal(jax.random.key(0), (4096, 27, 27))
+A = A @ jnp.swapaxes(A, -1, -2) + 27 * jnp.eye(27)
+b = jnp.ones((4096, 27))
+both = jax.jit(jax.grad(lambda A, b: (_spd_solve(A, b) + _spd_solve(2 * A, 3 * b)).sum(), argnums=(0, 1)))
+for _ in range(10):
+    jax.block_until_ready(both(A, b))
+print("finished")
+"""
+
+
+def test_two_batched_solves_at_once_finish_on_two_cpu_cores():
+    """jaxlib 0.10's batched LAPACK kernels split their batch over XLA's CPU thread pool and wait for the pieces: two
+    at once on a two-thread pool wait on each other forever (measured here with ``jnp.linalg.solve`` at 512 worlds
+    and Cholesky at 4,096, as in a step's backward, where the inertia's and the constraint solver's rules solve
+    independently). The rules' solve does not use them. In a subprocess held to two cores, with a time
+    limit: a hang fails the test instead of the suite."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    out = subprocess.run([sys.executable, "-c", TWO_SOLVES_AT_ONCE], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(JAX_PLATFORMS="cpu"), cwd=ROOT,
+                         preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    assert out.returncode == 0 and "finished" in out.stdout, out.stderr[-2000:]
