@@ -832,6 +832,8 @@ def test_the_rules_solve_equals_a_dense_solve_with_its_gradient():
 
 
 TWO_SOLVES_AT_ONCE = """
+import os, sys
+os.sched_setaffinity(0, {int(core) for core in sys.argv[1:]})  # (before JAX sizes its thread pool)
 import jax, jax.numpy as jnp
 from warpnn_models.mujoco import _spd_solve
 A = jax.random.normal(jax.random.key(0), (4096, 27, 27))
@@ -850,8 +852,7 @@ def test_two_batched_solves_at_once_finish_on_two_cpu_cores():
     and Cholesky at 4,096, as in a step's backward, where the inertia's and the constraint solver's rules solve
     independently). The rules' solve does not use them. In a subprocess held to two cores, with a time
     limit: a hang fails the test instead of the suite."""
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    out = subprocess.run([sys.executable, "-c", TWO_SOLVES_AT_ONCE], capture_output=True, text=True, timeout=120,
-                         env=subprocess_env(JAX_PLATFORMS="cpu"), cwd=ROOT,
-                         preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    cores = [str(core) for core in sorted(os.sched_getaffinity(0))[:2]]
+    out = subprocess.run([sys.executable, "-c", TWO_SOLVES_AT_ONCE, *cores], capture_output=True, text=True,
+                         timeout=120, env=subprocess_env(JAX_PLATFORMS="cpu"), cwd=ROOT)
     assert out.returncode == 0 and "finished" in out.stdout, out.stderr[-2000:]
