@@ -184,12 +184,12 @@ def _stage_rules(m) -> list:
             *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m)]
 
 
-# The rules' products of per-world matrices and vectors are written as products and sums, which XLA fuses into one
-# pass over the matrix, and not as einsums: at full float32 precision a batched matrix-vector product lowers on a
-# GPU to cuBLAS's strided-batched GEMV, the largest item of the humanoid's backward at 8,192 worlds in an H100
-# profile (with the contact Jacobian rule's per-row products, which that rule no longer forms).
+# The rules' products of per-world (or per-contact) matrices and vectors are written as products and sums, which
+# XLA fuses into one pass over the matrix, and not as einsums: at full float32 precision a batched matrix-vector
+# product lowers on a GPU to cuBLAS's strided-batched GEMV, the largest item of the humanoid's backward at 8,192
+# worlds in an H100 profile (with the contact Jacobian rule's per-row products, which that rule no longer forms).
 def _matvec(A, x):
-    """``A @ x`` per world: ``(w, n, m), (w, m) -> (w, n)``."""
+    """``A @ x`` per world (or contact slot): ``(w, n, m), (w, m) -> (w, n)``."""
     return jnp.sum(A * x[:, None, :], -1)
 
 
@@ -767,7 +767,7 @@ def _contact_rules(m) -> list:
         sphere_pos = p2 - normal * (r2 + 0.5 * sphere_dist)[:, None]
         # plane-box: the corner the collision id names (bit k: + or - half-size along the box's axis k)
         bits = (after["contact_geomcollisionid_out"][:, None] >> jnp.arange(3)) & 1
-        corner = jnp.einsum("cij,cj->ci", rot2, jnp.where(bits == 1, 1.0, -1.0) * size2)
+        corner = _matvec(rot2, jnp.where(bits == 1, 1.0, -1.0) * size2)
         box_dist = jnp.sum((p2 - p1) * normal, -1) + jnp.sum(normal * corner, -1)
         box_pos = corner + p2 - 0.5 * normal * box_dist[:, None]
         balls_dist, balls_pos, between = _sphere_sphere(p1, r1, p2, r2)
