@@ -832,7 +832,7 @@ def test_the_rules_solve_calls_no_linear_algebra_library():
     """jaxlib 0.10's batched LAPACK kernels split their batch over XLA's CPU thread pool and wait for the pieces: two
     at once on a two-thread pool waited on each other forever (measured on a 2-core machine with ``jnp.linalg.solve``
     at 512 worlds and Cholesky at 4,096, as in a step's backward, where the inertia's and the constraint solver's
-    rules solve independently; CPU runs of the humanoid's backward at 512 worlds hung). The rules' solve and its
+    rules solve independently; CPU runs of the humanoid's backward at 64 and 512 worlds hung). The rules' solve and its
     derivative are XLA operations alone: no LAPACK (or cuSOLVER) custom call."""
     A = jnp.broadcast_to(3.0 * jnp.eye(5), (4, 5, 5))
     b = jnp.ones((4, 5))
