@@ -204,10 +204,10 @@ def _spd_solve(A, b):
     By Cholesky, whose factor the solve's derivative reuses (``lax.custom_linear_solve``, as
     ``jax.scipy.linalg.solve(assume_a="pos")`` does), written out in JAX (:func:`_cholesky`,
     :func:`_cholesky_solve`) rather than called from LAPACK or cuSOLVER: one code path on every platform, made of
-    XLA fusions like the rest of the rules, with no library call in the loop body. jaxlib 0.10's batched LAPACK kernels split their
-    batch over XLA's CPU thread pool and wait for the pieces: two running at once (the inertia's and the constraint
-    solver's solves, in a step's backward) waited on each other forever on a two-core machine (measured: 512 worlds'
-    27 x 27 LU factorizations, 4,096 worlds' Cholesky).
+    XLA fusions like the rest of the rules, with no library call in the loop body. jaxlib 0.10's batched LAPACK
+    kernels split their batch over XLA's CPU thread pool and wait for the pieces: two running at once (the inertia's
+    and the constraint solver's solves, in a step's backward) waited on each other forever on a two-core machine
+    (measured: 512 worlds' 27 x 27 LU factorizations, 4,096 worlds' Cholesky, the humanoid's backward at 64 worlds).
     """
     factor = _cholesky(jax.lax.stop_gradient(A))
     return jax.lax.custom_linear_solve(lambda x: _matvec(A, x), b, lambda _, x: _cholesky_solve(factor, x),
@@ -759,7 +759,7 @@ def _contact_rules(m) -> list:
             return before[name][world % before[name].shape[0], g]
 
         p1, p2, rot2 = xpos[world, g1], xpos[world, g2], xmat[world, g2]
-        normal = xmat[world, g1][:, :, 2]  # (a plane's z axis)
+        normal = xmat[world, g1][:, :, 2]  # geom 1's z axis: a plane's normal, a capsule's axis
         size1, size2 = geom("geom_size", g1), geom("geom_size", g2)
         r1, r2 = size1[:, 0], size2[:, 0]
         # plane-sphere
@@ -773,7 +773,7 @@ def _contact_rules(m) -> list:
         balls_dist, balls_pos, between = _sphere_sphere(p1, r1, p2, r2)
         # capsules (axis: the geom's z; size: radius, half-length), as collision_primitive_core computes them
         cid = after["contact_geomcollisionid_out"]
-        axis1, axis2 = xmat[world, g1][:, :, 2], rot2[:, :, 2]
+        axis1, axis2 = normal, rot2[:, :, 2]
         half1, half2 = size1[:, 1:2], size2[:, 1:2]
         end = p2 + jnp.where(cid == 0, 1.0, -1.0)[:, None] * axis2 * half2  # plane-capsule: contact 0 at +axis
         plane_cap_dist = jnp.sum((end - p1) * normal, -1) - r2
