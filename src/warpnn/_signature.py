@@ -249,9 +249,17 @@ class KernelSignature:
 
     @functools.cached_property
     def replay_on_outputs(self) -> tuple[str, ...]:
-        """In-out arrays whose adjoint must replay on their values after the launch: a launch-time proof found that
-        each thread reads an element it writes only after its one write (``ArrayUse.replay_outputs``)."""
-        return tuple(s.name for s in self.in_out if self.uses[s.name].replay_outputs)
+        """In-out arrays whose adjoint replays on their values after the launch: a launch-time proof found that
+        each thread reads an element it writes only after its one write (``ArrayUse.replay_outputs``), or the kernel
+        never reads them (no load, atomic or tile load in its source or the ``@wp.func`` s it calls, by warpnn's walk
+        and Warp's code generator, and no view: ``ArrayUse.reads``, ``viewed``).
+
+        An array the kernel only writes has values its adjoint never reads, so the values after the launch serve as
+        well as those before, and they are what the backward pass keeps anyway: the next operation reads them. Kept
+        before the launch, they cost a copy per launch (the launch writes them in place): three copies of the
+        humanoid's 117 MB constraint Jacobian per step at 8,192 worlds, one per kernel writing its rows."""
+        return tuple(s.name for s in self.in_out if self.uses[s.name].replay_outputs
+                     or not (self.uses[s.name].reads or self.uses[s.name].viewed or self.uses[s.name].adjoint_reset))
 
     @functools.cached_property
     def in_out(self) -> tuple[ArgSpec, ...]:
