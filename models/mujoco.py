@@ -91,18 +91,31 @@ def _inertia_to_dense(m) -> Callable[[jax.Array], jax.Array]:
     where = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)]).astype(np.int32)
     rows = np.repeat(np.arange(m.nv), rownnz).astype(np.int32)
     cols = colind[where].astype(np.int32)
-    # dense[w, i, j] = M[w, k] for the CSR entry k of (i, j) or (j, i), else 0: one gather (its transpose adds two
-    # entries per k), where building the matrix by scatters costs more on a GPU. The zeros gather entries spread over
-    # M and are masked: a gather of one appended zero would have its transpose add every zero entry's (zero)
-    # cotangent into that one element, atomic adds that queue on a GPU.
+    # dense[w, i, j] = M[w, k] for the CSR entry k of (i, j) or (j, i), else 0: one gather, where building the
+    # matrix by scatters costs more on a GPU. Its reverse gathers too (M's entry k has the cotangents of (i, j) and
+    # (j, i)): as the gather's transpose, XLA scatter-adds every dense entry, atomics on a GPU, and with the zeros
+    # read from one appended element all of theirs queue on that one.
     entry = np.full((m.nv, m.nv), -1, np.int32)
     entry[rows, cols] = entry[cols, rows] = where
     nonzero = entry >= 0
-    index = np.where(nonzero, entry, np.arange(entry.size).reshape(entry.shape) % max(where.size, 1))
+    index = np.where(nonzero, entry, 0)
+    first, second = np.zeros(where.max(initial=-1) + 1, np.int32), np.zeros(where.max(initial=-1) + 1, np.int32)
+    first[where], second[where] = rows * m.nv + cols, cols * m.nv + rows
+    mirrored = first != second
 
+    @jax.custom_vjp
     def dense(M):
         return jnp.where(nonzero, M[:, index], 0.0)
 
+    def dense_fwd(M):
+        return dense(M), jnp.zeros((0, M.shape[1]), M.dtype)  # (M's shape, for its cotangent)
+
+    def dense_bwd(shape_of_M, ct):
+        ct = ct.reshape(ct.shape[0], -1)
+        ct_M = ct[:, first] + jnp.where(mirrored, ct[:, second], 0.0)
+        return (jnp.pad(ct_M, ((0, 0), (0, shape_of_M.shape[1] - first.size))),)
+
+    dense.defvjp(dense_fwd, dense_bwd)
     return dense
 
 
@@ -732,6 +745,7 @@ def _contact_rules(m) -> list:
     geom_priority = np.asarray(m.geom_priority.numpy())
     geom_bodyid = np.asarray(m.geom_bodyid.numpy())
     body_rootid = np.asarray(m.body_rootid.numpy())
+    roots = np.unique(body_rootid[geom_bodyid])  # the subtree roots contacts are offset from
     isdofancestor = np.asarray(m.body_isdofancestor.numpy())[:, : m.nv] != 0
     ntypes = len(types.GeomType)
     present = [(t1, t2) for t1 in range(ntypes) for t2 in range(t1, ntypes)
@@ -858,11 +872,16 @@ def _contact_rules(m) -> list:
         linear = frame[:, :, 0] + jnp.where(which[..., None] < 2, sign * side, 0.0)
         angular = jnp.where(which[..., None] >= 2, sign * side, 0.0)
         pos = before["pos_in"][con]
-        nbody = before["subtree_com_in"].shape[1]
         body = jnp.asarray(geom_bodyid)[geoms]  # (world, row, 2 geoms)
-        # (the subtree roots of rows that are not a contact's spread over the bodies, as `con` over the contacts)
-        root = jnp.where(contact_row[..., None], jnp.asarray(body_rootid)[body], rows[..., None] % nbody)
-        offset = pos[:, :, None] - before["subtree_com_in"][world[..., None], root]  # (world, row, 2, 3)
+        root = jnp.asarray(body_rootid)[body]
+        subtree_com = before["subtree_com_in"]
+        if roots.size <= 8:  # each row's root's centre of mass by selects, whose reverse sums (a gather's scatters)
+            com = sum((jnp.where((root == r)[..., None], subtree_com[:, None, None, r], 0.0) for r in roots),
+                      jnp.zeros((*root.shape, 3), subtree_com.dtype))
+        else:  # (rows that are not a contact's gather roots spread over the bodies, as `con` does contacts)
+            com = subtree_com[world[..., None], jnp.where(contact_row[..., None], root,
+                                                          rows[..., None] % subtree_com.shape[1])]
+        offset = pos[:, :, None] - com  # (world, row, 2, 3)
         direction = jnp.concatenate([jnp.cross(offset, linear[:, :, None]) + angular[:, :, None],
                                      jnp.broadcast_to(linear[:, :, None], offset.shape)], -1)
         # Both geoms' rows as one matrix product per world, (2 rows, 6) x (6, dof), whose transposes are matrix

@@ -721,6 +721,12 @@ def zero_aval(ct: SymbolicZero) -> tuple[tuple[int, ...], Any]:
     return tuple(aval.shape), aval.dtype
 
 
+def _zeros_batched_like(x):
+    """Zeros of ``x``'s shape and dtype, batched under ``vmap`` where ``x`` is (a select between them): ``zeros_like``
+    makes one array for every batch element, which the batched launcher could then only launch once per element."""
+    return jax.lax.select(jnp.zeros(x.shape, bool), x, jnp.zeros_like(x))
+
+
 def instantiate_zero(ct):
     """A cotangent as an array: a symbolic zero becomes zeros of its shape and dtype (Warp reads every adjoint)."""
     return jnp.zeros(*zero_aval(ct)) if isinstance(ct, SymbolicZero) else ct
@@ -824,12 +830,14 @@ def _differentiable_call_fwd(plan, *primals):
     n_in_out = len(plan.sig.in_out)
     kept = tuple(None if spec.is_float else out for spec, out in zip(plan.sig.outputs, results[n_in_out:]))
     # In-out arrays whose reads of written elements all follow the write (a launch-time proof, _owned.py): Warp's
-    # adjoint replays the launch on their values after it, which are what those reads saw.
+    # adjoint replays the launch on their values after it, which are what those reads saw. In-out arrays the kernel
+    # never reads: their values after it (integers), or none at all (floats: the backward pass passes zeros).
     after = getattr(plan.sig, "replay_on_outputs", ())
     if after:
+        unread = getattr(plan.sig, "unread_in_out", ())
         by_name = {spec.name: out for spec, out in zip(plan.sig.in_out, results[:n_in_out])}
-        arrays = tuple(by_name[spec.name] if spec.name in after else a
-                       for spec, a in zip(plan.sig.array_inputs, arrays))
+        arrays = tuple((None if spec.is_float and spec.name in unread else by_name[spec.name]) if spec.name in after
+                       else a for spec, a in zip(plan.sig.array_inputs, arrays))
     # Inputs JAX does not differentiate (constants, stop_gradient, parameters outside the grad) get no
     # adjoint buffer: Warp skips the atomic adds into them, and nothing is zeroed for them.
     constant = frozenset(spec.name for spec, p in zip(plan.sig.array_inputs, primals) if not p.perturbed)
@@ -879,6 +887,9 @@ def _differentiable_call_bwd(plan, residuals, cotangents):
     perturbed = bool(sig.adjoint_inputs) or any(s.is_float for s in sig.in_out)
     if not perturbed or all(isinstance(ct, SymbolicZero) for ct in float_cts):
         return (None,) * len(sig.array_inputs)  # nothing to differentiate, or a zero cotangent: zero adjoints
+    # (an in-out float array the kernel never reads was not kept: any values do, zeros of its cotangent's shape)
+    arrays = tuple(_zeros_batched_like(instantiate_zero(cts[spec.name])) if a is None else a
+                   for spec, a in zip(sig.array_inputs, arrays))
     if not plan.differentiable:
         raise TypeError(FORWARD_ONLY_MESSAGE.format(key=sig.key))
     # A kernel whose only problems are loops over its scalar arguments or its arrays' shapes differentiates

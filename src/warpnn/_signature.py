@@ -251,15 +251,21 @@ class KernelSignature:
     def replay_on_outputs(self) -> tuple[str, ...]:
         """In-out arrays whose adjoint replays on their values after the launch: a launch-time proof found that
         each thread reads an element it writes only after its one write (``ArrayUse.replay_outputs``), or the kernel
-        never reads them (no load, atomic or tile load in its source or the ``@wp.func`` s it calls, by warpnn's walk
-        and Warp's code generator, and no view: ``ArrayUse.reads``, ``viewed``).
+        never reads them (``unread_in_out``)."""
+        return tuple(s.name for s in self.in_out if self.uses[s.name].replay_outputs or s.name in self.unread_in_out)
 
-        An array the kernel only writes has values its adjoint never reads, so the values after the launch serve as
-        well as those before, and they are what the backward pass keeps anyway: the next operation reads them. Kept
-        before the launch, they cost a copy per launch (the launch writes them in place): three copies of the
-        humanoid's 117 MB constraint Jacobian per step at 8,192 worlds, one per kernel writing its rows."""
-        return tuple(s.name for s in self.in_out if self.uses[s.name].replay_outputs
-                     or not (self.uses[s.name].reads or self.uses[s.name].viewed or self.uses[s.name].adjoint_reset))
+    @functools.cached_property
+    def unread_in_out(self) -> tuple[str, ...]:
+        """In-out arrays the kernel never reads: no load, atomic that returns, or tile load in its source or the
+        ``@wp.func`` s it calls, by warpnn's walk and Warp's code generator (``ArrayUse.reads``), and no view.
+
+        Its adjoint reads none of their values either (Warp's adjoint of a store reads the element's adjoint, and
+        its replay recomputes loads only), so the backward pass keeps none of them: zeros stand in for a float one
+        (``_bridge``), the values after the launch for an integer one. Kept before the launch, they cost a copy per
+        launch (the launch writes them in place); kept after it, a slot in a scan's stack of residuals per step: the
+        humanoid's 117 MB constraint Jacobian, written in place by three kernels a step at 8,192 worlds."""
+        return tuple(s.name for s in self.in_out
+                     if not (self.uses[s.name].reads or self.uses[s.name].viewed or self.uses[s.name].adjoint_reset))
 
     @functools.cached_property
     def in_out(self) -> tuple[ArgSpec, ...]:
