@@ -19,7 +19,8 @@ mujoco = pytest.importorskip("mujoco")
 pytestmark = pytest.mark.quick_compile  # (tests/conftest.py)
 
 from .helpers import assert_close, on_one_device  # noqa: E402
-from warpnn_models.mujoco import MujocoStep, _spd_solve, equinox_module, nnx_module, rollout  # noqa: E402
+from warpnn_models.mujoco import (  # noqa: E402
+    MujocoStep, _inertia_to_dense, _spd_solve, equinox_module, nnx_module, rollout)
 
 T = 50
 
@@ -826,6 +827,28 @@ def test_the_rules_solve_equals_a_dense_solve_with_its_gradient():
     assert_close(jax.jit(_spd_solve)(A, b), dense(A, b), rtol=1e-5, atol=1e-6)
     for got, want in zip(jax.grad(loss(_spd_solve), (0, 1))(A, b), jax.grad(loss(dense), (0, 1))(A, b)):
         assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_dense_inertia_and_its_reverse_equal_the_matrix_built_by_scatters(tree):
+    """The rules read the inertia (mujoco_warp's CSR lower triangle) as a dense matrix by one gather whose reverse
+    gathers too (a custom VJP; as the gather's transpose, XLA scatter-adds: atomics on a GPU). Against the matrix
+    built entry by entry, differentiated by JAX, on the tree's branching inertia (off-diagonal entries, zeros)."""
+    m = tree[0].m
+    rownnz, rowadr, colind = (np.asarray(a.numpy()) for a in (m.M_rownnz, m.M_rowadr, m.M_colind))
+    where = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)])
+    rows, cols = np.repeat(np.arange(m.nv), rownnz), colind[where]
+    assert (rows != cols).any() and len(where) < m.nv * (m.nv + 1) // 2  # (off-diagonal entries, and zeros)
+
+    def by_scatters(M):
+        D = jnp.zeros((M.shape[0], m.nv, m.nv), M.dtype).at[:, rows, cols].set(M[:, where])
+        return D.at[:, cols, rows].set(M[:, where])
+
+    M = jax.random.normal(jax.random.PRNGKey(0), (3, where.max() + 2))  # (a column past the entries: no cotangent)
+    weights = jax.random.normal(jax.random.PRNGKey(1), (3, m.nv, m.nv))
+    dense = _inertia_to_dense(m)
+    np.testing.assert_array_equal(jax.jit(dense)(M), by_scatters(M))
+    loss = lambda to_dense: lambda M: jnp.sum(jnp.sin(to_dense(M)) * weights)  # noqa: E731
+    np.testing.assert_allclose(jax.jit(jax.grad(loss(dense)))(M), jax.grad(loss(by_scatters))(M), rtol=1e-6, atol=1e-6)
 
 
 def test_the_rules_solve_calls_no_linear_algebra_library():

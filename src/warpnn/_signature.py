@@ -256,14 +256,16 @@ class KernelSignature:
 
     @functools.cached_property
     def unread_in_out(self) -> tuple[str, ...]:
-        """In-out arrays the kernel never reads: no load, atomic that returns, or tile load in its source or the
-        ``@wp.func`` s it calls, by warpnn's walk and Warp's code generator (``ArrayUse.reads``), and no view.
+        """In-out arrays the kernel never reads: no load, tile load or atomic other than an add or a subtract in its
+        source or the ``@wp.func`` s it calls, by warpnn's walk and Warp's code generator (``ArrayUse.reads``), and
+        no view.
 
-        Its adjoint reads none of their values either (Warp's adjoint of a store reads the element's adjoint, and
-        its replay recomputes loads only), so the backward pass keeps none of them: zeros stand in for a float one
-        (``_bridge``), the values after the launch for an integer one. Kept before the launch, they cost a copy per
-        launch (the launch writes them in place); kept after it, a slot in a scan's stack of residuals per step: the
-        humanoid's 117 MB constraint Jacobian, written in place by three kernels a step at 8,192 worlds."""
+        The adjoint reads none of their values either (Warp's adjoint of a store or an atomic add reads the element's
+        adjoint, its replay recomputes loads only and skips atomics), so the backward pass keeps none of them: zeros
+        stand in for a float one (``_bridge``), the values after the launch for an integer one. Kept before the
+        launch, they cost a copy per launch (the launch writes them in place); kept after it, a slot in a scan's stack
+        of residuals per step: the humanoid's 117 MB constraint Jacobian, written in place by three kernels a step at
+        8,192 worlds."""
         return tuple(s.name for s in self.in_out
                      if not (self.uses[s.name].reads or self.uses[s.name].viewed or self.uses[s.name].adjoint_reset))
 
