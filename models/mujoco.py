@@ -99,7 +99,8 @@ def _inertia_to_dense(m) -> Callable[[jax.Array], jax.Array]:
     entry[rows, cols] = entry[cols, rows] = where
     nonzero = entry >= 0
     index = np.where(nonzero, entry, 0)
-    first, second = np.zeros(where.max(initial=-1) + 1, np.int32), np.zeros(where.max(initial=-1) + 1, np.int32)
+    first = np.zeros(where.max(initial=-1) + 1, np.int32)  # (each CSR entry's place in the dense matrix, mirrored)
+    second = first.copy()
     first[where], second[where] = rows * m.nv + cols, cols * m.nv + rows
     mirrored = first != second
 
@@ -713,6 +714,11 @@ def _segment_weights(a, b, c, d, pair):
     return weights[0], weights[1]
 
 
+# Up to this many subtree roots among the bodies contacts touch, the contact Jacobian rule takes each row's root's
+# centre of mass by a select per root; beyond, by a gather (one select per root over every row would cost more).
+ROOTS_BY_SELECTS = 8
+
+
 def _contact_rules(m) -> list:
     """The collision stages, differentiated by rules (``warpnn.StageRule(per_launch=True)``).
 
@@ -875,7 +881,8 @@ def _contact_rules(m) -> list:
         body = jnp.asarray(geom_bodyid)[geoms]  # (world, row, 2 geoms)
         root = jnp.asarray(body_rootid)[body]
         subtree_com = before["subtree_com_in"]
-        if roots.size <= 8:  # each row's root's centre of mass by selects, whose reverse sums (a gather's scatters)
+        if roots.size <= ROOTS_BY_SELECTS:  # each row's root's centre of mass by selects, whose reverse sums
+            # (a gather's reverse scatter-adds)
             com = sum((jnp.where((root == r)[..., None], subtree_com[:, None, None, r], 0.0) for r in roots),
                       jnp.zeros((*root.shape, 3), subtree_com.dtype))
         else:  # (rows that are not a contact's gather roots spread over the bodies, as `con` does contacts)
@@ -892,7 +899,7 @@ def _contact_rules(m) -> list:
                                precision=jax.lax.Precision.HIGHEST).reshape(*body.shape, nv)
         projected = jnp.where(jnp.asarray(isdofancestor)[body], projected, 0.0)
         row = projected[:, :, 1] - projected[:, :, 0]
-        jqvel = jnp.sum(row * before["qvel_in"][:, None, :nv], -1)
+        jqvel = _matvec(row, before["qvel_in"][:, :nv])
         row = jnp.pad(row, ((0, 0), (0, 0), (0, J.shape[2] - nv)))
         return {"efc_J_out": jnp.where(contact_row[..., None], row, J),
                 "efc_Jqvel_out": jnp.where(contact_row, Jqvel + jqvel, Jqvel)}

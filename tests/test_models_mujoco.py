@@ -790,6 +790,33 @@ def test_capsule_contacts_differentiate(capsules, steps):
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3 * np.abs(expected).max())
 
 
+def test_the_jacobian_rule_offsets_contacts_alike_by_selects_and_by_a_gather(capsules, monkeypatch):
+    """Each row's subtree centre of mass comes by a select per root up to ``ROOTS_BY_SELECTS`` roots, by a gather
+    beyond (a scene of many free bodies): the capsules' five roots both ways, one step's gradient w.r.t. the initial
+    velocities and geom_friction alike (the capsule test checks it against mj_step)."""
+    import warpnn_models.mujoco as mujoco_models
+
+    step, mjm, mjd = capsules
+    weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
+    start = {**step.initial_state(), "qvel": jnp.asarray(np.random.default_rng(0).normal(size=(1, mjm.nv)) * 0.2,
+                                                         jnp.float32)}
+
+    def gradient():
+        loss = lambda qvel, params: weighted_state(  # noqa: E731
+            rollout(step, {**start, "qvel": qvel}, params=params, num_steps=1)[0], weights)
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(start["qvel"], step.initial_params())
+        return lowered.as_text(), lowered.compile()(start["qvel"], step.initial_params())
+
+    assert 1 < len(np.unique(mjm.body_rootid[mjm.geom_bodyid])) <= mujoco_models.ROOTS_BY_SELECTS
+    selects_text, by_selects = gradient()
+    monkeypatch.setattr(mujoco_models, "ROOTS_BY_SELECTS", 0)
+    gather_text, by_gather = gradient()
+    assert gather_text != selects_text  # (the other path ran)
+    for got, want in zip(jax.tree.leaves(by_gather), jax.tree.leaves(by_selects)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    assert np.abs(by_selects[0]).max() > 0
+
+
 @pytest.mark.slow  # (55 s of CI's CPU; capsule contacts and branching trees: the capsule and tree tests)
 def test_humanoid_differentiates():
     """mujoco_warp's test humanoid (27 dofs, capsules on a floor, a branching tree) from its keyframe: jax.grad
