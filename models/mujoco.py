@@ -719,6 +719,20 @@ def _segment_weights(a, b, c, d, pair):
 ROOTS_BY_SELECTS = 8
 
 
+def _root_centres_of_mass(subtree_com, root, roots, contact_row):
+    """``subtree_com[world, root[world, row, geom]]``, (world, row, 2, 3): the centre of mass of each contact row's
+    geoms' subtree roots (``roots``: every root contacts can have; rows where ``contact_row`` is false are not a
+    contact's and are masked out by the caller). Up to ``ROOTS_BY_SELECTS`` roots by a select per root, whose
+    reverse sums; beyond, by a gather whose reverse scatter-adds, with the rows that are not a contact's reading
+    roots spread over the bodies (in reverse, their zero cotangents then add into different elements)."""
+    if roots.size <= ROOTS_BY_SELECTS:
+        return sum((jnp.where((root == r)[..., None], subtree_com[:, None, None, r], 0.0) for r in roots),
+                   jnp.zeros((*root.shape, 3), subtree_com.dtype))
+    world = jnp.arange(root.shape[0])[:, None, None]
+    rows = jnp.arange(root.shape[1])[None, :, None]
+    return subtree_com[world, jnp.where(contact_row[..., None], root, rows % subtree_com.shape[1])]
+
+
 def _contact_rules(m) -> list:
     """The collision stages, differentiated by rules (``warpnn.StageRule(per_launch=True)``).
 
@@ -880,14 +894,7 @@ def _contact_rules(m) -> list:
         pos = before["pos_in"][con]
         body = jnp.asarray(geom_bodyid)[geoms]  # (world, row, 2 geoms)
         root = jnp.asarray(body_rootid)[body]
-        subtree_com = before["subtree_com_in"]
-        if roots.size <= ROOTS_BY_SELECTS:  # each row's root's centre of mass by selects, whose reverse sums
-            # (a gather's reverse scatter-adds)
-            com = sum((jnp.where((root == r)[..., None], subtree_com[:, None, None, r], 0.0) for r in roots),
-                      jnp.zeros((*root.shape, 3), subtree_com.dtype))
-        else:  # (rows that are not a contact's gather roots spread over the bodies, as `con` does contacts)
-            com = subtree_com[world[..., None], jnp.where(contact_row[..., None], root,
-                                                          rows[..., None] % subtree_com.shape[1])]
+        com = _root_centres_of_mass(before["subtree_com_in"], root, roots, contact_row)
         offset = pos[:, :, None] - com  # (world, row, 2, 3)
         direction = jnp.concatenate([jnp.cross(offset, linear[:, :, None]) + angular[:, :, None],
                                      jnp.broadcast_to(linear[:, :, None], offset.shape)], -1)

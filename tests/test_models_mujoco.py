@@ -790,31 +790,30 @@ def test_capsule_contacts_differentiate(capsules, steps):
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3 * np.abs(expected).max())
 
 
-def test_the_jacobian_rule_offsets_contacts_alike_by_selects_and_by_a_gather(capsules, monkeypatch):
-    """Each row's subtree centre of mass comes by a select per root up to ``ROOTS_BY_SELECTS`` roots, by a gather
-    beyond (a scene of many free bodies): the capsules' five roots both ways, one step's gradient w.r.t. the initial
-    velocities and geom_friction alike (the capsule test checks it against mj_step)."""
+@pytest.mark.parametrize("path", ["selects", "gather"])
+def test_each_contact_rows_root_centre_of_mass_and_its_reverse_are_a_gathers(path, monkeypatch):
+    """The contact Jacobian rule takes each row's geoms' subtree-root centres of mass by a select per root up to
+    ``ROOTS_BY_SELECTS`` roots and by a gather beyond (a scene of many free bodies; no test model has that many
+    roots in contact): both equal a plain gather on the contact rows, and so do their reverses."""
     import warpnn_models.mujoco as mujoco_models
 
-    step, mjm, mjd = capsules
-    weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
-    start = {**step.initial_state(), "qvel": jnp.asarray(np.random.default_rng(0).normal(size=(1, mjm.nv)) * 0.2,
-                                                         jnp.float32)}
+    monkeypatch.setattr(mujoco_models, "ROOTS_BY_SELECTS", 8 if path == "selects" else 0)
+    rng = np.random.default_rng(0)
+    worlds, rows, bodies = 3, 7, 6
+    roots = np.array([0, 2, 5])
+    root = jnp.asarray(rng.choice(roots, size=(worlds, rows, 2)))
+    contact_row = jnp.asarray(rng.random((worlds, rows)) < 0.6)
+    subtree_com = jnp.asarray(rng.normal(size=(worlds, bodies, 3)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(worlds, rows, 2, 3)), jnp.float32)
 
-    def gradient():
-        loss = lambda qvel, params: weighted_state(  # noqa: E731
-            rollout(step, {**start, "qvel": qvel}, params=params, num_steps=1)[0], weights)
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(start["qvel"], step.initial_params())
-        return lowered.as_text(), lowered.compile()(start["qvel"], step.initial_params())
+    def masked(com):
+        return jnp.sum(jnp.where(contact_row[..., None, None], com, 0.0) * weights)
 
-    assert 1 < len(np.unique(mjm.body_rootid[mjm.geom_bodyid])) <= mujoco_models.ROOTS_BY_SELECTS
-    selects_text, by_selects = gradient()
-    monkeypatch.setattr(mujoco_models, "ROOTS_BY_SELECTS", 0)
-    gather_text, by_gather = gradient()
-    assert gather_text != selects_text  # (the other path ran)
-    for got, want in zip(jax.tree.leaves(by_gather), jax.tree.leaves(by_selects)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
-    assert np.abs(by_selects[0]).max() > 0
+    plain = lambda c: masked(c[jnp.arange(worlds)[:, None, None], root])  # noqa: E731
+    rule = lambda c: masked(mujoco_models._root_centres_of_mass(c, root, roots, contact_row))  # noqa: E731
+    assert_close(rule(subtree_com), plain(subtree_com))
+    assert_close(jax.grad(rule)(subtree_com), jax.grad(plain)(subtree_com), rtol=1e-6, atol=1e-7)
+    assert np.abs(np.asarray(jax.grad(plain)(subtree_com))).max() > 0
 
 
 @pytest.mark.slow  # (55 s of CI's CPU; capsule contacts and branching trees: the capsule and tree tests)

@@ -526,9 +526,19 @@ def _indexed_uses(fn: ast.FunctionDef, key) -> tuple[set[int], dict[str, set]]:
     return uses, keys
 
 
-def _only_used_in(fn: ast.FunctionDef, name: str, nodes: set[int]) -> bool:
-    """Whether every mention of ``name`` in ``fn`` is one of ``nodes`` (by id)."""
-    return all(id(n) in nodes for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name)
+def _name_ids(fn: ast.FunctionDef) -> dict[str, list[int]]:
+    """The ids of ``fn``'s Name nodes, by name (one walk: the analyses ask about every parameter, and walking
+    mujoco_warp's long kernels once per name took seconds per traced step)."""
+    names: dict[str, list[int]] = {}
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Name):
+            names.setdefault(n.id, []).append(id(n))
+    return names
+
+
+def _only_used_in(mentions: dict[str, list[int]], name: str, nodes: set[int]) -> bool:
+    """Whether every mention of ``name`` (``mentions``: ``_name_ids`` of the function) is one of ``nodes`` (by id)."""
+    return all(i in nodes for i in mentions.get(name, ()))
 
 
 def _row_windows(tree: ast.AST, names: list[str], index_arrays: dict[str, ArgSpec]) -> dict[str, tuple[str, ...]]:
@@ -578,7 +588,8 @@ def _row_windows(tree: ast.AST, names: list[str], index_arrays: dict[str, ArgSpe
         return index_of.get(lead.id) if isinstance(lead, ast.Name) else None
 
     allowed, sources = _indexed_uses(fn, index_source)
-    return {name: tuple(sorted(sources[name])) for name in names if name in sources and _only_used_in(fn, name, allowed)}
+    mentions = _name_ids(fn)
+    return {name: tuple(sorted(sources[name])) for name in names if name in sources and _only_used_in(mentions, name, allowed)}
 
 
 def _slice_access(tree: ast.AST, names: list[str], ndims: dict[str, int] | None = None) -> tuple[frozenset[str], frozenset[str]]:
@@ -613,8 +624,9 @@ def _slice_access(tree: ast.AST, names: list[str], ndims: dict[str, int] | None 
         elif isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Name):
             if getattr(n.func, "attr", getattr(n.func, "id", None)) in ("atomic_add", "atomic_sub"):
                 summed.add(id(n.args[0]))
-    assigned = frozenset(name for name in names if not _only_used_in(fn, name, summed))
-    private = frozenset(name for name in names if _only_used_in(fn, name, allowed))
+    mentions = _name_ids(fn)
+    assigned = frozenset(name for name in names if not _only_used_in(mentions, name, summed))
+    private = frozenset(name for name in names if _only_used_in(mentions, name, allowed))
     return private, assigned
 
 
