@@ -1,5 +1,6 @@
 """warpnn.trace: recorded Warp functions replayed as JAX, against the same function run by Warp and pure JAX."""
 
+import ctypes
 import warnings
 
 import jax
@@ -323,6 +324,37 @@ def test_constants_as_arguments_keep_them_out_of_the_program():
     assert not np.allclose(passed(x0, moved), passed(x0, constants))
     with pytest.raises(TypeError, match="constants must be exactly"):
         program({"x": x0, "v": v0, "k": k}, constants={})
+
+
+@wp.kernel
+def double_where_positive(x: wp.array(dtype=float), out: wp.array(dtype=float)):
+    i = wp.tid()
+    if x[i] > 0.0:
+        out[i] = 2.0 * x[i]  # a conditional store: elements not stored keep what the array held
+
+
+@pytest.mark.parametrize("written_before", [False, True])
+def test_a_buffer_allocated_inside_the_call_replays_as_zeros_unless_something_wrote_it(written_before):
+    """``wp.empty`` inside the traced call holds unspecified values; the trace makes them zeros and the replay
+    builds zeros in the program (no literal, so XLA does not copy one before each in-place write). The replay
+    trusts the bytes seen, not the allocation: bytes written by means the tracer does not record stay a
+    constant with those values."""
+    x, out = wp.array(np.float32([1.0, -2.0, 3.0, -4.0]), device="cpu"), wp.zeros(4, dtype=float, device="cpu")
+
+    def step():
+        scratch = wp.empty(4, dtype=float, device="cpu")
+        if written_before:
+            ctypes.memset(scratch.ptr, 0x3F, scratch.capacity)  # every float 0x3F3F3F3F
+        wp.launch(double_where_positive, 4, [x], [scratch], device="cpu")
+        wp.copy(out, scratch)
+
+    program = warpnn.trace(step, {"x": x}, {"out": out})
+    x1 = jnp.float32([-1.0, 5.0, -6.0, 0.5])
+    unset = np.frombuffer(b"\x3f" * 4, np.float32)[0] if written_before else 0.0
+    assert_close(jax.jit(lambda x: program({"x": x}))(x1)["out"], np.where(x1 > 0, 2 * x1, unset), rtol=0, atol=0)
+    consts = jax.make_jaxpr(lambda x: program({"x": x}))(x1).consts
+    assert any(np.shape(c) == (4,) for c in consts) == written_before
+    assert len(program.constants()) == int(written_before)
 
 
 @wp.struct

@@ -277,7 +277,17 @@ class WarpProgram:
         """The inputs' values when the function was traced (NumPy copies), e.g. to start a rollout."""
         return {n: self._constants_np[k].copy() for n, k in self._input_keys.items()}
 
+    @functools.cached_property
+    def _zero(self) -> frozenset:
+        """Constants whose every byte was 0 when first touched (``_hooked_empty``): replayed as ``jnp.zeros``,
+        built inside the caller's trace, so XLA writes them in place rather than copying a literal."""
+        inputs = set(self._input_keys.values())
+        return frozenset(k for k, v in self._constants_np.items() if k not in inputs and not v.view(np.uint8).any())
+
     def _constant(self, key) -> jax.Array:
+        if key in self._zero:
+            info = self._arrays[key]
+            return jnp.zeros(info.shape, info.dtype)
         if self._constants is None:
             self._constants = {}
         value = self._constants.get(key)
@@ -294,11 +304,12 @@ class WarpProgram:
             keys = [*_array_keys(op.inputs), *(k for k, _ in op.results if k is not None)] \
                 if isinstance(op, _Launch) else [getattr(op, "src", None), op.dest]
             used += [b for k in keys if k is not None and (b := self._views.get(k, k)) not in used]
-        inputs = set(self._input_keys.values())
-        return {k: f"{i:03d}:{self._arrays[k].label}" for i, k in enumerate(k for k in used if k not in inputs)}
+        left = set(self._input_keys.values()) | self._zero
+        return {k: f"{i:03d}:{self._arrays[k].label}" for i, k in enumerate(k for k in used if k not in left)}
 
     def constants(self) -> dict[str, jax.Array]:
-        """The arrays the program reads that are not inputs (their values before the traced call), by name.
+        """The arrays the program reads that are not inputs (their values before the traced call), by name;
+        those that were all zeros are left out (the replay builds them).
 
         A program called inside ``jax.jit`` otherwise embeds them in the compiled program as literals (JAX
         inlines closed-over arrays), which is fine for small models; for large ones, pass them as an argument
@@ -1119,7 +1130,7 @@ def _install_hooks():
     if _ORIGINAL:
         return
     _ORIGINAL.update(
-        launch=wp.launch, copy=wp.copy, clone=wp.clone, zero_=wp.array.zero_, fill_=wp.array.fill_,
+        launch=wp.launch, copy=wp.copy, clone=wp.clone, empty=wp.empty, zero_=wp.array.zero_, fill_=wp.array.fill_,
         assign=wp.array.assign, numpy=wp.array.numpy, list=wp.array.list, capture_while=wp.capture_while,
     )
     _LAUNCH_SIG = inspect.signature(_ORIGINAL["launch"])
@@ -1199,6 +1210,22 @@ def _hooked_clone(src, *args, **kwargs):
         result = _ORIGINAL["clone"](src, *args, **kwargs)
     rec.set(result, src)
     return result
+
+
+def _hooked_empty(*args, **kwargs):
+    """``wp.empty`` (and so ``wp.zeros``, ``wp.full``, ``wp.empty_like``, ...) inside a traced call, zeroed.
+
+    An uninitialised array may hold anything, so zeros are among its legal contents; the point is that the
+    replay can then rebuild it. Its value when first touched is a constant of the program, and a constant an
+    in-place launch writes is copied out of the program's literals on every call (mujoco_warp's solver
+    allocates its 60 MB of scratch inside ``step``: XLA copied all of it before the step's launches, every step
+    of a rollout). A constant that is all zero bytes replays as ``jnp.zeros`` instead (``WarpProgram._zero``),
+    which XLA writes without reading anything. The replay relies on the bytes seen, not on this hook: an array
+    written by any means before its first recorded use keeps those values as its constant."""
+    arr = _ORIGINAL["empty"](*args, **kwargs)
+    if _ACTIVE and arr.ptr and arr.size:
+        _ORIGINAL["zero_"](arr)
+    return arr
 
 
 def _hooked_zero(self):
@@ -1296,6 +1323,8 @@ def _hooks(rec: _Recorder, rules: tuple[StageRule, ...] = ()):
         (wp, "launch", _hooked_launch), (context, "launch", _hooked_launch),
         (wp, "capture_while", _hooked_capture_while), (context, "capture_while", _hooked_capture_while),
         (wp, "copy", _hooked_copy), (wp, "clone", _hooked_clone),
+        # context.empty: wp.zeros, wp.full, wp.empty_like, ... allocate through it by that name
+        (wp, "empty", _hooked_empty), (context, "empty", _hooked_empty),
         (wp.array, "zero_", _hooked_zero), (wp.array, "fill_", _hooked_fill), (wp.array, "assign", _hooked_assign),
         (wp.array, "numpy", _hooked_host_read("numpy")), (wp.array, "list", _hooked_host_read("list")),
     ]
