@@ -282,7 +282,8 @@ class WarpProgram:
         """Constants whose every byte was 0 when first touched (``_hooked_empty``): replayed as ``jnp.zeros``,
         built inside the caller's trace, so XLA writes them in place rather than copying a literal."""
         inputs = set(self._input_keys.values())
-        return frozenset(k for k, v in self._constants_np.items() if k not in inputs and not v.view(np.uint8).any())
+        return frozenset(k for k, v in self._constants_np.items()
+                         if k not in inputs and not np.ascontiguousarray(v).reshape(-1).view(np.uint8).any())
 
     def _constant(self, key) -> jax.Array:
         if key in self._zero:
@@ -1217,9 +1218,9 @@ def _hooked_empty(*args, **kwargs):
 
     An uninitialised array may hold anything, so zeros are among its legal contents; the point is that the
     replay can then rebuild it. Its value when first touched is a constant of the program, and a constant an
-    in-place launch writes is copied out of the program's literals on every call (mujoco_warp's solver
-    allocates its 60 MB of scratch inside ``step``: XLA copied all of it before the step's launches, every step
-    of a rollout). A constant that is all zero bytes replays as ``jnp.zeros`` instead (``WarpProgram._zero``),
+    in-place launch writes is copied out of the program's literals on every call (mujoco_warp allocates its
+    solver's and collision's scratch inside ``step``: XLA copied those buffers before the step's in-place
+    launches, every step of a rollout). A constant that is all zero bytes replays as ``jnp.zeros`` instead (``WarpProgram._zero``),
     which XLA writes without reading anything. The replay relies on the bytes seen, not on this hook: an array
     written by any means before its first recorded use keeps those values as its constant."""
     arr = _ORIGINAL["empty"](*args, **kwargs)
