@@ -214,7 +214,12 @@ class WarpProgram:
         self._views: dict[Any, Any] = dict(views or {})  # array key -> the key whose value it reshapes
         self._platform: str | None = None  # where the traced launches ran (set by trace)
         self._arrays: dict[Any, _ArrayInfo] = arrays
-        self._constants_np: dict[Any, np.ndarray] = constants
+        # Constants whose every byte was 0 when first touched (``_hooked_empty``) replay as ``jnp.zeros`` built inside
+        # the caller's trace, so XLA writes them in place rather than copying a literal; their snapshots are dropped.
+        inputs = set(input_keys.values())
+        self._zero = frozenset(k for k, v in constants.items()
+                               if k not in inputs and not np.ascontiguousarray(v).reshape(-1).view(np.uint8).any())
+        self._constants_np: dict[Any, np.ndarray] = {k: v for k, v in constants.items() if k not in self._zero}
         self._constants: dict[Any, jax.Array] | None = None
         self._input_keys: dict[str, Any] = input_keys
         self._output_keys: dict[str, Any] = output_keys
@@ -276,14 +281,6 @@ class WarpProgram:
     def initial_inputs(self) -> dict[str, np.ndarray]:
         """The inputs' values when the function was traced (NumPy copies), e.g. to start a rollout."""
         return {n: self._constants_np[k].copy() for n, k in self._input_keys.items()}
-
-    @functools.cached_property
-    def _zero(self) -> frozenset:
-        """Constants whose every byte was 0 when first touched (``_hooked_empty``): replayed as ``jnp.zeros``,
-        built inside the caller's trace, so XLA writes them in place rather than copying a literal."""
-        inputs = set(self._input_keys.values())
-        return frozenset(k for k, v in self._constants_np.items()
-                         if k not in inputs and not np.ascontiguousarray(v).reshape(-1).view(np.uint8).any())
 
     def _constant(self, key) -> jax.Array:
         if key in self._zero:
@@ -1220,9 +1217,9 @@ def _hooked_empty(*args, **kwargs):
     replay can then rebuild it. Its value when first touched is a constant of the program, and a constant an
     in-place launch writes is copied out of the program's literals on every call (mujoco_warp allocates its
     solver's and collision's scratch inside ``step``: XLA copied those buffers before the step's in-place
-    launches, every step of a rollout). A constant that is all zero bytes replays as ``jnp.zeros`` instead (``WarpProgram._zero``),
-    which XLA writes without reading anything. The replay relies on the bytes seen, not on this hook: an array
-    written by any means before its first recorded use keeps those values as its constant."""
+    launches, every step of a rollout). A constant that is all zero bytes replays as ``jnp.zeros`` instead
+    (``WarpProgram._zero``), which XLA writes without reading anything. The replay relies on the bytes seen, not
+    on this hook: an array written by any means before its first recorded use keeps those values as its constant."""
     arr = _ORIGINAL["empty"](*args, **kwargs)
     if _ACTIVE and arr.ptr and arr.size:
         _ORIGINAL["zero_"](arr)
