@@ -68,8 +68,35 @@ def _slow_first(nodeid: str) -> int:
     return next((i for i, prefix in enumerate(SLOW_FIRST) if nodeid.startswith(prefix)), len(SLOW_FIRST))
 
 
+def _group_by_module_fixtures(items) -> None:
+    """Mark the tests of a module that share a module-scoped fixture (directly or through each other) as one
+    ``xdist_group``: under ``--dist=loadgroup`` (pyproject.toml) they run on one worker, which builds the fixture
+    once. Under plain ``load`` each worker that ran one of them built it again: a MuJoCo model traced twice."""
+    parent: dict = {}
+
+    def root(node):
+        while parent.setdefault(node, node) != node:
+            node = parent[node]
+        return node
+
+    shared = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        names = [(item.module.__name__, n) for n, defs in (info.name2fixturedefs.items() if info else ())
+                 if defs and defs[-1].scope == "module"]
+        if names:
+            shared[item] = names[0]
+            for name in names[1:]:
+                parent[root(name)] = root(names[0])
+    for item, name in shared.items():
+        group = root(name)
+        item.add_marker(pytest.mark.xdist_group(f"{group[0]}.{group[1]}"))
+
+
+@pytest.hookimpl(tryfirst=True)  # (before xdist's own hook, which reads the groups)
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: _slow_first(item.nodeid))  # stable: collection order otherwise
+    _group_by_module_fixtures(items)
     if jax.default_backend() == "gpu":
         return
     # (the suite keeps under 10 minutes on CI's 2-core machine; a GPU host runs these, or pytest --slow here)

@@ -24,6 +24,7 @@ What keeps a rule honest (``warpnn.trace`` checks each, and refuses reverse mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -118,13 +119,28 @@ def _full_float32():
     return jax.default_matmul_precision("highest")
 
 
+@functools.lru_cache(maxsize=64)
+def _jitted_rule(rule, scalars: tuple):
+    """``rule`` jitted over its arrays, with a per-launch rule's scalar arguments as constants: one per rule and
+    scalars, so a model traced again in a process reuses the compiled check."""
+    return jax.jit(lambda before, after: dict(rule(before, {**after, **dict(scalars)})))
+
+
 def check(rule: StageRule, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray],
           writes: list[str]) -> str | None:
     """Why ``rule`` does not reproduce what the stage's launches left in ``writes`` at trace time, or None."""
+    # The rule runs as one jitted program, as the replay's backward runs it (arrays traced, a per-launch rule's
+    # scalar arguments constants): evaluated op by op, each of its operations was an XLA compile of its own, most
+    # of a first trace's time on a CPU. A rule that needs concrete values runs eagerly.
+    arrays = {n: v for n, v in after.items() if isinstance(v, np.ndarray)}
+    scalars = {n: v for n, v in after.items() if n not in arrays}
     try:
         with jax.ensure_compile_time_eval(), _full_float32():
-            computed = rule.rule({n: jnp.asarray(v) for n, v in before.items()},
-                                 {n: jnp.asarray(v) for n, v in after.items()})
+            try:
+                computed = _jitted_rule(rule.rule, tuple(sorted(scalars.items())))(before, arrays)
+            except (jax.errors.JAXTypeError, jax.errors.NonConcreteBooleanIndexError):  # (it reads a value in Python)
+                computed = rule.rule({n: jnp.asarray(v) for n, v in before.items()},
+                                     {n: jnp.asarray(v) for n, v in after.items()})
     except Exception as e:  # noqa: BLE001 - the rule's own refusal (NotImplementedError) or a bug: either way, no rule
         return f"its rule raised {type(e).__name__}: {e}"
     missing = sorted(n for n in writes if n not in computed)
