@@ -64,39 +64,35 @@ SLOW_FIRST = (
 )
 
 
+# Modules whose tests share module-scoped fixtures that take long to build (a MuJoCo model traced, its Warp modules
+# compiled): under -n their tests run on one worker, in collection order, which builds each fixture once. Under
+# xdist's default scheduling both workers built the arm (13-15 s each) and compiled the same kernels at once.
+ONE_WORKER_MODULES = ("tests/test_models_mujoco.py",)
+
+
+@pytest.hookimpl(optionalhook=True)  # (an xdist hook: without xdist, never called)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's ``load`` with each of ``ONE_WORKER_MODULES`` one unit of work. (Not ``--dist=loadgroup``: with
+    pytest 9 its ``xdist_group`` marks no longer reach the scheduler, xdist 3.8 rewrites a node id pytest now
+    derives elsewhere.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
+
+
 def _slow_first(nodeid: str) -> int:
     return next((i for i, prefix in enumerate(SLOW_FIRST) if nodeid.startswith(prefix)), len(SLOW_FIRST))
 
 
-def _group_by_module_fixtures(items) -> None:
-    """Mark the tests of a module that share a module-scoped fixture (directly or through each other) as one
-    ``xdist_group``: under ``--dist=loadgroup`` (pyproject.toml) they run on one worker, which builds the fixture
-    once. Under plain ``load`` each worker that ran one of them built it again: a MuJoCo model traced twice."""
-    parent: dict = {}
-
-    def root(node):
-        while parent.setdefault(node, node) != node:
-            node = parent[node]
-        return node
-
-    shared = {}
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        names = [(item.module.__name__, n) for n, defs in (info.name2fixturedefs.items() if info else ())
-                 if defs and defs[-1].scope == "module"]
-        if names:
-            shared[item] = names[0]
-            for name in names[1:]:
-                parent[root(name)] = root(names[0])
-    for item, name in shared.items():
-        group = root(name)
-        item.add_marker(pytest.mark.xdist_group(f"{group[0]}.{group[1]}"))
-
-
-@pytest.hookimpl(tryfirst=True)  # (before xdist's own hook, which reads the groups)
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: _slow_first(item.nodeid))  # stable: collection order otherwise
-    _group_by_module_fixtures(items)
     if jax.default_backend() == "gpu":
         return
     # (the suite keeps under 10 minutes on CI's 2-core machine; a GPU host runs these, or pytest --slow here)
