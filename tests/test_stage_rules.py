@@ -163,6 +163,18 @@ def test_a_rule_that_does_not_reproduce_the_launches_is_refused():
         jax.grad(lambda A: jnp.sum(program({"A": A, "b": b})["x"]))(A)
 
 
+def test_a_rule_that_reads_a_value_in_python_is_checked_all_the_same():
+    """The check at trace time runs a rule jitted; one that needs concrete values (a Python branch on them) runs
+    eagerly instead, and is checked alike: right, it is taken; wrong, refused."""
+    def branching(before, after, wrong=False):
+        x = jnp.linalg.solve(before["A"], before["b"])
+        return {"x": -x if (float(jnp.abs(x).max()) > 0) == wrong else x}
+
+    assert traced([rule(rule=branching)])[0].reverse_refusals() == {}
+    why = traced([rule(rule=lambda before, after: branching(before, after, wrong=True))])[0].reverse_refusals()
+    assert "does not reproduce the launches" in why["tests.test_stage_rules.solve"]
+
+
 def test_a_read_the_rule_neither_takes_nor_ignores_is_refused():
     # b is an input of the program: without it in the rule, d/db would be lost
     partial = rule(reads=lambda A, b, x, r: {"A": A}, rule=lambda before, after: {"x": after["x"] + 0 * before["A"][0]})

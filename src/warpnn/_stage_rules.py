@@ -119,11 +119,16 @@ def _full_float32():
     return jax.default_matmul_precision("highest")
 
 
+def _rule_on_arrays(rule, scalars: tuple):
+    """``rule`` as a function of the arrays alone: a per-launch rule's scalar arguments are constants in it, as in
+    the replay's backward (``stage_function``)."""
+    return lambda before, after: dict(rule(before, {**after, **{n: jnp.asarray(v) for n, v in scalars}}))
+
+
 @functools.lru_cache(maxsize=64)
 def _jitted_rule(rule, scalars: tuple):
-    """``rule`` jitted over its arrays, with a per-launch rule's scalar arguments as constants: one per rule and
-    scalars, so a model traced again in a process reuses the compiled check."""
-    return jax.jit(lambda before, after: dict(rule(before, {**after, **dict(scalars)})))
+    """One compiled check per rule and scalar arguments: a model traced again in a process reuses it."""
+    return jax.jit(_rule_on_arrays(rule, scalars))
 
 
 def check(rule: StageRule, before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray],
@@ -137,7 +142,12 @@ def check(rule: StageRule, before: Mapping[str, np.ndarray], after: Mapping[str,
     try:
         with jax.ensure_compile_time_eval(), _full_float32():
             try:
-                computed = _jitted_rule(rule.rule, tuple(sorted(scalars.items())))(before, arrays)
+                key = tuple(sorted(scalars.items()))
+                try:
+                    jitted = _jitted_rule(rule.rule, key)
+                except TypeError:  # (a scalar argument that cannot be hashed: compiled for this call only)
+                    jitted = jax.jit(_rule_on_arrays(rule.rule, key))
+                computed = jitted(before, arrays)
             except (jax.errors.JAXTypeError, jax.errors.NonConcreteBooleanIndexError):  # (it reads a value in Python)
                 computed = rule.rule({n: jnp.asarray(v) for n, v in before.items()},
                                      {n: jnp.asarray(v) for n, v in after.items()})
