@@ -14,8 +14,9 @@ from .helpers import QUICK_COMPILE_LEVEL  # noqa: E402
 
 if QUICK_COMPILE_LEVEL is not None and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     # On a CPU machine XLA's own compiles are likewise unoptimised (LLVM -O0): a MuJoCo rollout's gradient compiled
-    # in 4.6 s instead of 6.5 s. XLA reads the flag when JAX first makes its CPU client, after this; the tests'
-    # subprocesses inherit it. A GPU host keeps XLA's default.
+    # in 4.2 s instead of 6.5 s; the whole suite took 1,424 s of test time instead of 1,721 s. XLA reads the flag
+    # when JAX first makes its CPU client, after this; the tests' subprocesses inherit it. A GPU host keeps XLA's
+    # default.
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 _default_optimization_level = wp.config.optimization_level
