@@ -9,7 +9,7 @@ import warp as wp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The clang optimization level for tests marked quick_compile and docs/mujoco.md's blocks (Newton's and MuJoCo
+# The clang optimization level for tests marked quick_compile and some docs blocks (Newton's and MuJoCo
 # Warp's programs: hundreds of kernels, small arrays, a few steps) on a CPU machine: -O0 (Warp's CPU default: -O2).
 # CI starts from an empty kernel cache, so there compiling is most of their time: Featherstone's and the
 # semi-implicit cloth's differential tests went from 45 s to 17 s each, the XPBD forward test from 37 s to 15 s.

@@ -26,7 +26,9 @@ from .helpers import QUICK_COMPILE_LEVEL, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-QUICK_COMPILE_PAGES = {"docs/mujoco.md"}  # pages that build many kernels and run them briefly (helpers.py)
+# Where the code comes from (a page, or the file a block includes), for code that builds many kernels and runs them
+# briefly (helpers.py): the Newton example took 48 s with Warp's kernel cache empty, 25 s at -O0, the same fit.
+QUICK_COMPILE_SOURCES = {"docs/mujoco.md", "examples/newton_cloth_fit.py"}
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
 INCLUDE = re.compile(r'^--8<--\s+"(?P<path>[^":]+)"\s*$')
 MARKER = re.compile(r"^\s*<!--\s*(?P<kind>skip-test|test)\s*:\s*(?P<value>.*?)\s*-->\s*$")
@@ -77,7 +79,8 @@ def _sessions():
 
 def _run(page: str, session: list[dict], cwd: Path) -> subprocess.CompletedProcess:
     script = ["import sys", "namespace = {'__name__': '__main__'}"]
-    if page in QUICK_COMPILE_PAGES and QUICK_COMPILE_LEVEL is not None:  # (the harness's, not the page's code)
+    quick = any(Path(b["source"]).relative_to(ROOT).as_posix() in QUICK_COMPILE_SOURCES for b in session)
+    if quick and QUICK_COMPILE_LEVEL is not None:  # (the harness's, not the page's code)
         script.append(f"import warp; warp.config.optimization_level = {QUICK_COMPILE_LEVEL}")
     for b in session:
         script.append(f"print('--- {page}:{b['line']}', flush=True)")
