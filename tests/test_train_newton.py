@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("newton")
+pytestmark = pytest.mark.quick_compile  # (tests/conftest.py: the 30-step training test, cold: 55 -> 46 s)
 
 from warpnn_train import cli, newton_push  # noqa: E402
 
