@@ -73,17 +73,20 @@ SLOW_FIRST = (
 
 
 # Modules whose tests share module-scoped fixtures that take long to build (a MuJoCo model traced, its Warp modules
-# compiled): under -n their tests run on one worker, in collection order, which builds each fixture once. Under
-# xdist's default scheduling both workers built the arm (13-15 s each) and compiled the same kernels at once.
+# compiled): under -n with few workers their tests run on one worker, in collection order, which builds each fixture
+# once. Under xdist's default scheduling CI's two workers both built the arm (13-15 s each) and compiled the same
+# kernels at once. With more workers (a GPU host's -n 8) the module alone would outlast the rest of the suite.
 ONE_WORKER_MODULES = ("tests/test_models_mujoco.py",)
+ONE_WORKER_MODULES_UP_TO = 2  # workers
 
 
 @pytest.hookimpl(optionalhook=True)  # (an xdist hook: without xdist, never called)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's ``load`` with each of ``ONE_WORKER_MODULES`` one unit of work. (Not ``--dist=loadgroup``: with
-    pytest 9 its ``xdist_group`` marks no longer reach the scheduler, xdist 3.8 rewrites a node id pytest now
-    derives elsewhere.)"""
-    if config.getvalue("dist") != "load":
+    """xdist's ``load`` with each of ``ONE_WORKER_MODULES`` one unit of work, for a few workers. (Not
+    ``--dist=loadgroup``: with pytest 9 its ``xdist_group`` marks no longer reach the scheduler, xdist 3.8 rewrites
+    a node id pytest now derives elsewhere.)"""
+    workers = config.getoption("numprocesses")
+    if config.getvalue("dist") != "load" or not isinstance(workers, int) or workers > ONE_WORKER_MODULES_UP_TO:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
