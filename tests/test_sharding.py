@@ -43,7 +43,7 @@ def _needs_cpu_kernels():
 def _run(*args: str) -> subprocess.Popen:
     # (sharding_check sets the device count itself; the other XLA flags, conftest's -O0 on a CPU machine, stay)
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")} | {"XLA_FLAGS": flags}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {"XLA_FLAGS": flags}
     return subprocess.Popen([sys.executable, str(CHECK), *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -138,15 +138,14 @@ def check(rule: StageRule, before: Mapping[str, np.ndarray], after: Mapping[str,
     # scalar arguments constants): evaluated op by op, each of its operations was an XLA compile of its own (5 s of
     # a MuJoCo arm's 12 s first trace on a CPU). A rule that needs concrete values runs eagerly.
     arrays = {n: v for n, v in after.items() if isinstance(v, np.ndarray)}
-    scalars = {n: v for n, v in after.items() if n not in arrays}
+    scalars = tuple(sorted((n, v) for n, v in after.items() if n not in arrays))
+    try:
+        jitted = _jitted_rule(rule.rule, scalars)
+    except TypeError:  # (a scalar argument that cannot be hashed: compiled for this call only)
+        jitted = jax.jit(_rule_on_arrays(rule.rule, scalars))
     try:
         with jax.ensure_compile_time_eval(), _full_float32():
             try:
-                key = tuple(sorted(scalars.items()))
-                try:
-                    jitted = _jitted_rule(rule.rule, key)
-                except TypeError:  # (a scalar argument that cannot be hashed: compiled for this call only)
-                    jitted = jax.jit(_rule_on_arrays(rule.rule, key))
                 computed = jitted(before, arrays)
             except (jax.errors.JAXTypeError, jax.errors.NonConcreteBooleanIndexError):  # (it reads a value in Python)
                 computed = rule.rule({n: jnp.asarray(v) for n, v in before.items()},
