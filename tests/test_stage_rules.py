@@ -5,6 +5,7 @@ The stage here is a Gauss-Seidel solve of ``A x = b``: one kernel sweeping ``x``
 checked against pure JAX (``jnp.linalg.solve``), the forward against Warp running the same function."""
 
 import dataclasses
+import re
 import sys
 
 import jax
@@ -113,6 +114,21 @@ def test_gradients_through_the_stage_are_the_rules_and_the_forward_is_warps():
     bs = np.stack([b, 2 * b, -b])
     batched = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(A, bs)
     assert_close(batched, np.stack([jax.grad(reference, argnums=1)(A, v) for v in bs]), rtol=1e-4, atol=1e-5)
+
+
+def test_a_profile_names_the_stage_and_each_launch_forward_and_reverse():
+    # XLA's profiles name operations by these scopes: which launch or which stage's rule a cost belongs to (the
+    # stage's forward is its launches, whose FFI calls a profile names by kernel)
+    program, A, b = traced([rule()])
+
+    def loss(A, b):
+        return jnp.sum(program({"A": A, "b": b})["x"])
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(A, b).as_text(debug_info=True)
+    names = set(re.findall(r'loc\("([^"]*)"', text))
+    assert any("/jvp(scale)/" in n for n in names)
+    assert any("/transpose(jvp(scale))/" in n for n in names)
+    assert any("/transpose(jvp(stage tests.test_stage_rules.solve))/" in n for n in names)
 
 
 def _dot_precisions(jaxpr):

@@ -453,7 +453,9 @@ class WarpProgram:
             if isinstance(outer, _LoopRecord):
                 self._run_loop(outer, env, on_launch)
             else:
-                results = self._stage_function(outer)(*(get(k) for k in outer.outside))
+                # (named: an XLA profile of the program, forward and reverse, names each stage's operations)
+                with jax.named_scope(f"stage {outer.rule.key}"):
+                    results = self._stage_function(outer)(*(get(k) for k in outer.outside))
                 for key, value in zip(outer.written, results):
                     put(key, value)
             index = outer.end
@@ -543,7 +545,8 @@ def _argument(kind, value, get):
 def _replay_launch(op: _Launch, get, put) -> None:
     args = [_argument(kind, v, get) for kind, v in op.inputs]
     call = _kernel_call(op.kernel, op.num_outputs, op.in_out_names, op.block_dim)
-    results = call(*args, launch_dims=op.dims, output_dims=dict(op.output_dims) if op.output_dims else None)
+    with jax.named_scope(op.kernel.key):  # (the launch's own XLA operations, its adjoint's too, carry its name)
+        results = call(*args, launch_dims=op.dims, output_dims=dict(op.output_dims) if op.output_dims else None)
     for (key, _), result in zip(op.results, results):
         if key is not None:  # a None result is Warp's null array: nothing to keep
             put(key, result)
