@@ -23,7 +23,8 @@ wp.Tape and central differences; reverse refused with the kernel named): Newton 
 Newton XPBD cloth 5; 5; 3; 2 and VBD cloth 4; 4; 1; 3 (checked in test_models_newton.py, on the steps its
 forward tests trace). Newton Featherstone chain 14; 14; 7; 7. MuJoCo Warp
 box on a plane 57; 54; 25; 28 (the arm: 58; 55; 29; 25). warp.examples: particle repulsion, wave, SPH, FDTD 3-D,
-NanoVDB sampling, mesh sampling, the checkpointed fluid, tile n-body (below). 0 mismatches. This test found the
+NanoVDB sampling, mesh sampling, the checkpointed fluid, tile n-body (below); the Navier-Stokes optimal
+perturbation's whole forward (tile FFTs), its gradient against the wp.Tape the example trains with. 0 mismatches. This test found the
 `wp.grad` call Warp does not differentiate (particle repulsion), the row-loop twin's lost adjoints (mujoco_warp's
 `_cfrc`: a store before a `return`) and, through central differences, builtins Warp has no adjoint for
 (`tile_cholesky_solve`). The whole programs (rollouts against the libraries' own loops) are in
@@ -327,6 +328,34 @@ def test_warp_example_particle_repulsion_launches():
     assert failures == [], failures
     assert counts["launches"] == 2 and counts["vmap compared"] == 2, counts
     assert counts["reverse refused (named)"] == 1 and counts["reverse compared with finite differences"] == 1, counts
+
+
+def test_warp_example_navier_stokes_perturbation_gradient_equals_wp_tape():
+    """warp.examples' optimal perturbation of 2-D turbulence differentiates its forward (RK3 stages, a spectral
+    Poisson solve by ``wp.tile_fft`` on a 512 x 512 grid, a loss by ``atomic_add``) with wp.Tape. The same forward,
+    traced: the vorticity at lead time equals Warp's (1e-5; the loss's sum runs in another order: 1e-4), and
+    ``jax.grad`` of the loss w.r.t. the perturbation equals the tape's gradient (measured 4e-7 relative, CPU)."""
+    example = pytest.importorskip("warp.examples.optim.example_navier_stokes_perturbation")
+    with on_one_device():
+        sim = example.Example(spin_up_steps=0, lead_steps=2)
+        sim.use_cuda_graph = False
+        sim.delta_omega.assign(np.random.default_rng(0).normal(size=sim.delta_omega.shape).astype(np.float32) * 0.1)
+        final = sim.omega_timesteps[sim.lead_steps]
+        tape = wp.Tape()
+        with tape:
+            sim.forward()
+        tape.backward(sim.loss)
+        loss, omega, gradient = sim.loss.numpy().copy(), final.numpy().copy(), sim.delta_omega.grad.numpy().copy()
+        tape.zero()
+        program = warpnn.trace(sim.forward, {"delta": sim.delta_omega}, {"loss": sim.loss, "omega": final})
+        delta = jnp.asarray(sim.delta_omega.numpy())
+    assert program.reverse_refusals() == {}
+    replayed = jax.jit(program)({"delta": delta})
+    np.testing.assert_allclose(replayed["omega"], omega, rtol=1e-5, atol=1e-5 * np.abs(omega).max())
+    np.testing.assert_allclose(replayed["loss"], loss, rtol=1e-4)
+    grad = jax.jit(jax.grad(lambda d: program({"delta": d})["loss"].sum()))(delta)
+    assert np.abs(gradient).max() > 0
+    np.testing.assert_allclose(grad, gradient, rtol=0, atol=1e-4 * np.abs(gradient).max())
 
 
 # warp.examples programs whose Example().step() (or render()) traces as it is (state: every float array the Example
