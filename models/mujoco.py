@@ -220,44 +220,16 @@ def _spd_solve(A, b):
     """``A^-1 b`` per world for symmetric positive definite ``A`` (an inertia, or inertia plus ``J' D J``).
 
     By Cholesky, whose factor the solve's derivative reuses (``lax.custom_linear_solve``, as
-    ``jax.scipy.linalg.solve(assume_a="pos")`` does). The factor is computed once per platform's best way
-    (:func:`_factor`): on a CPU written out in JAX, on a GPU by the vendor's batched factorisation.
-    """
-    factor = _factor(jax.lax.stop_gradient(A))
-    return jax.lax.custom_linear_solve(lambda x: _matvec(A, x), b, lambda _, x: _factor_solve(factor, x),
-                                       symmetric=True)
-
-
-def _factor(A):
-    """``A``'s Cholesky factor ``L`` on a CPU (:func:`_cholesky`), its inverse ``L^-1`` elsewhere
-    (:func:`_inverse_cholesky`): lower triangular either way, for :func:`_factor_solve`.
-
-    A CPU factorises in XLA operations, with no library call in the loop body: jaxlib 0.10's batched LAPACK kernels
-    split their batch over XLA's CPU thread pool and wait for the pieces, and two running at once (the inertia's and
-    the constraint solver's solves, in a step's backward) waited on each other forever on a two-core machine
+    ``jax.scipy.linalg.solve(assume_a="pos")`` does), written out in JAX (:func:`_cholesky`,
+    :func:`_cholesky_solve`) rather than called from LAPACK or cuSOLVER: one code path on every platform, made of
+    XLA fusions like the rest of the rules, with no library call in the loop body. jaxlib 0.10's batched LAPACK
+    kernels split their batch over XLA's CPU thread pool and wait for the pieces: two running at once (the inertia's
+    and the constraint solver's solves, in a step's backward) waited on each other forever on a two-core machine
     (measured: 512 worlds' 27 x 27 LU factorizations, 4,096 worlds' Cholesky, the humanoid's backward at 64 worlds).
-    On a GPU the same loops are one small XLA kernel per column and per substitution step, about a hundred per solve,
-    each over every world; cuSOLVER's batched factorisation and cuBLAS's triangular solve are a few kernels, and with
-    the inverse factor each solve is two matrix-vector products.
     """
-    return jax.lax.platform_dependent(A, cpu=_cholesky, default=_inverse_cholesky)
-
-
-def _factor_solve(factor, x):
-    """``A^-1 x`` from :func:`_factor`'s factor of ``A``."""
-    return jax.lax.platform_dependent(factor, x, cpu=_cholesky_solve, default=_inverse_cholesky_solve)
-
-
-def _inverse_cholesky(A):
-    """``L^-1`` for the lower Cholesky factor ``L`` of ``A``, per world (library calls: a GPU's)."""
-    L = jax.lax.linalg.cholesky(A)
-    identity = jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
-    return jax.lax.linalg.triangular_solve(L, identity, left_side=True, lower=True)
-
-
-def _inverse_cholesky_solve(L_inverse, x):
-    """``(L L')^-1 x = L^-T (L^-1 x)`` per world."""
-    return _matvec_transposed(L_inverse, _matvec(L_inverse, x))
+    factor = _cholesky(jax.lax.stop_gradient(A))
+    return jax.lax.custom_linear_solve(lambda x: _matvec(A, x), b, lambda _, x: _cholesky_solve(factor, x),
+                                       symmetric=True)
 
 
 def _cholesky(A):
