@@ -24,10 +24,10 @@ Newton XPBD cloth 5; 5; 3; 2 and VBD cloth 4; 4; 1; 3 (checked in test_models_ne
 forward tests trace). Newton Featherstone chain 14; 14; 7; 7. MuJoCo Warp
 box on a plane 57; 54; 25; 28 (the arm: 58; 55; 29; 25). warp.examples: particle repulsion, wave, SPH, FDTD 3-D,
 NanoVDB sampling, mesh sampling, the checkpointed fluid, tile n-body (below); the Navier-Stokes optimal
-perturbation's whole forward (tile FFTs), its gradient against the wp.Tape the example trains with. 0 mismatches. This test found the
-`wp.grad` call Warp does not differentiate (particle repulsion), the row-loop twin's lost adjoints (mujoco_warp's
-`_cfrc`: a store before a `return`) and, through central differences, builtins Warp has no adjoint for
-(`tile_cholesky_solve`). The whole programs (rollouts against the libraries' own loops) are in
+perturbation's whole forward (tile FFTs), its gradient against the wp.Tape the example trains with. 0 mismatches.
+This test found the `wp.grad` call Warp does not differentiate (particle repulsion), the row-loop twin's lost
+adjoints (mujoco_warp's `_cfrc`: a store before a `return`) and, through central differences, builtins Warp has no
+adjoint for (`tile_cholesky_solve`). The whole programs (rollouts against the libraries' own loops) are in
 test_models_newton.py and test_models_mujoco.py.
 """
 
@@ -348,12 +348,12 @@ def test_warp_example_navier_stokes_perturbation_gradient_equals_wp_tape():
         loss, omega, gradient = sim.loss.numpy().copy(), final.numpy().copy(), sim.delta_omega.grad.numpy().copy()
         tape.zero()
         program = warpnn.trace(sim.forward, {"delta": sim.delta_omega}, {"loss": sim.loss, "omega": final})
+        assert program.reverse_refusals() == {}
         delta = jnp.asarray(sim.delta_omega.numpy())
-    assert program.reverse_refusals() == {}
-    replayed = jax.jit(program)({"delta": delta})
+        replayed = jax.jit(program)({"delta": delta})
+        grad = jax.jit(jax.grad(lambda d: program({"delta": d})["loss"].sum()))(delta)
     np.testing.assert_allclose(replayed["omega"], omega, rtol=1e-5, atol=1e-5 * np.abs(omega).max())
     np.testing.assert_allclose(replayed["loss"], loss, rtol=1e-4)
-    grad = jax.jit(jax.grad(lambda d: program({"delta": d})["loss"].sum()))(delta)
     assert np.abs(gradient).max() > 0
     np.testing.assert_allclose(grad, gradient, rtol=0, atol=1e-4 * np.abs(gradient).max())
 
