@@ -148,8 +148,8 @@ def check(rule: StageRule, before: Mapping[str, np.ndarray], after: Mapping[str,
             try:
                 computed = jitted(before, arrays)
             except (jax.errors.JAXTypeError, jax.errors.NonConcreteBooleanIndexError):  # (it reads a value in Python)
-                computed = rule.rule({n: jnp.asarray(v) for n, v in before.items()},
-                                     {n: jnp.asarray(v) for n, v in after.items()})
+                computed = _rule_on_arrays(rule.rule, scalars)({n: jnp.asarray(v) for n, v in before.items()},
+                                                               {n: jnp.asarray(v) for n, v in arrays.items()})
     except Exception as e:  # noqa: BLE001 - the rule's own refusal (NotImplementedError) or a bug: either way, no rule
         return f"its rule raised {type(e).__name__}: {e}"
     missing = sorted(n for n in writes if n not in computed)
