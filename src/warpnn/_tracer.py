@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import warp as wp
 
-from . import _access, _bounded, _owned, _recorded, _stage_rules, _value_args
+from . import _access, _bounded, _idle, _owned, _recorded, _stage_rules, _value_args
 from ._batched import with_parameters_merged, with_parameters_reordered
 from ._bridge import jax_kernel
 from ._signature import fully_written, kernel_array_uses, signature_of
@@ -192,10 +192,17 @@ def _in_place_names(kernel, args, uses) -> list[str]:
             if isinstance(a, wp.array) and p.label in uses and uses[p.label].in_place_problem() is not None]
 
 
+def _refused_in_reverse(kernel, uses) -> bool:
+    """Whether the bridge may refuse ``kernel``'s adjoint: Warp's adjoint would be wrong somewhere in it, or an
+    array it updates in place is read by another thread (a cheap look; the bridge decides per launch)."""
+    return bool(_access.codegen_facts(kernel).adjoint_problems) or any(
+        use.in_place_problem() is not None for use in uses.values())
+
+
 def _launched_key(kernel) -> str:
     """The key of the kernel the traced function launched, for a twin a launch-time proof made of it."""
     key = kernel.key
-    for mark in (_bounded.KEY_MARK, _owned.KEY_MARK, _recorded.KEY_MARK):
+    for mark in (_bounded.KEY_MARK, _owned.KEY_MARK, _recorded.KEY_MARK, _idle.KEY_MARK):
         key = key.split(mark)[0]
     return key
 
@@ -660,6 +667,8 @@ class _Recorder:
         # launch-time proofs (_owned.py, _bounded.py): (op index, arrays read, kernel without the proof, its twin,
         # {array: how its adjoint replays} for the arrays whose elements are owned)
         self.proofs: list[tuple[int, frozenset, Any, Any, dict[str, str]]] = []
+        # launches no thread of which gets past the guards the constants decide (_idle.py): (op index, arrays read)
+        self.idle: list[tuple[int, frozenset]] = []
         self.arrays: dict[Any, _ArrayInfo] = {}
         self.snapshots: dict[Any, np.ndarray] = {}
         self.frozen_host_ops = frozen_host_ops
@@ -788,6 +797,11 @@ class _Recorder:
             # (no proof that each thread reads back only its own record: the kernel as launched, and its refusal)
             kernel, args = unrecorded
             uses = kernel_array_uses(kernel)
+        idle_keys = self._idle_proof(*unrecorded, dims) if not block_dim and _refused_in_reverse(kernel, uses) \
+            else None
+        if idle_keys is not None:
+            kernel, args = unrecorded  # (replaced by its idle twin at the end of the trace: settle_proofs)
+            uses = kernel_array_uses(kernel)
         params = kernel.adj.args
         is_array = [p.label in uses for p in params]
         written = [is_array[i] and uses[p.label].writes for i, p in enumerate(params)]
@@ -844,6 +858,8 @@ class _Recorder:
             results.append((key, p.label))
         self.ops.append(_Launch(kernel, dims, block_dim or None, len(results), tuple(in_out),
                                 tuple(call_inputs), tuple(results), tuple(output_dims)))
+        if idle_keys is not None:
+            self.idle.append((len(self.ops) - 1, idle_keys))
 
     def _with_recorded_atomics(self, kernel, args, dims):
         """``kernel`` and ``args`` or, where the kernel uses values its atomics return (which Warp's adjoint does not
@@ -883,6 +899,14 @@ class _Recorder:
         self.proofs.append((len(self.ops), frozenset(keys), kernel, twin, owned))
         return twin, kernel_array_uses(twin)
 
+    def _idle_proof(self, kernel, args, dims) -> frozenset | None:
+        """The keys of the constant arrays that prove this launch idle (``_idle.py``), or None."""
+        with self.suspended():
+            found = _idle.idle(kernel, args, dims, self._constant_so_far)
+        if found is None:
+            return None
+        return frozenset(self._base(self.register(a, "index array")) for a in found)
+
     def _all_owned(self, kernel, args, dims):
         """``(owned, arrays read)`` where a proof places every array ``kernel`` updates in place, else None."""
         names = _in_place_names(kernel, args, kernel_array_uses(kernel))
@@ -918,12 +942,17 @@ class _Recorder:
 
     def settle_proofs(self) -> None:
         """Launch-time proofs (``_with_launch_proofs``) whose arrays a later operation wrote fall back to the
-        kernel as launched (its refusal stands)."""
+        kernel as launched (its refusal stands); launches proven idle (``_idle.py``) whose arrays no later
+        operation wrote replay as their idle twins. (A later write matters where a ``wp.capture_while`` runs the
+        launch again after it.)"""
         for index, keys, launched, twin, _ in self.proofs:
             if index >= len(self.ops) or self.ops[index].kernel is not twin:
                 continue  # (the launch recorded nothing)
             if any(keys & self._written_by(op) for op in self.ops[index + 1:]):
                 self.ops[index] = dataclasses.replace(self.ops[index], kernel=launched)
+        for index, keys in self.idle:
+            if not any(keys & self._written_by(op) for op in self.ops[index + 1:]):
+                self.ops[index] = dataclasses.replace(self.ops[index], kernel=_idle.idle_twin(self.ops[index].kernel))
 
     def _one_array_twice(self, kernel, args) -> tuple[tuple[str, str], ...]:
         """``(drop, keep)`` pairs of parameters the launch passes one array to, where the kernel writes either.
@@ -1011,6 +1040,7 @@ class _Recorder:
                 if differ is not None:
                     raise TypeError(LOOP_BODY_MESSAGE.format(iteration=iterations + 1, differ=differ))
                 del self.ops[mark:], self.stages[stage_mark:], self.loops[loop_mark:]
+                self.idle = [entry for entry in self.idle if entry[0] < mark]  # (their indices will be others')
             iterations += 1
         if body is None:
             raise TypeError(LOOP_UNRUN_MESSAGE)
