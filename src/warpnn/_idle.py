@@ -73,7 +73,7 @@ def _guard_prefix(kernel, constants: frozenset[str]) -> tuple[list[str], frozens
     fn = _twins.copy_tree(fn, kernel)
     values = _Prefix(kernel, fn, constants)
     lines: list[str] = []
-    guarded, loads = 0, frozenset()
+    guarded, loads = 0, frozenset[str]()
     for stmt in fn.body:
         if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
             continue  # a docstring
