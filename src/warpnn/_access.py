@@ -526,6 +526,12 @@ def declare_elements_owned(kernel, names: frozenset[str], replay_outputs: frozen
     _ELEMENTS_OWNED[id(kernel)] = (kernel, names, replay_outputs)
 
 
+def declared_elements_owned(kernel) -> tuple[frozenset[str], frozenset[str]] | None:
+    """What ``declare_elements_owned`` recorded for ``kernel``: ``(names, replay_outputs)``, or None."""
+    owned = _ELEMENTS_OWNED.get(id(kernel))
+    return owned[1:] if owned is not None and owned[0] is kernel else None
+
+
 def walk_array_uses(kernel, specs) -> dict[str, ArrayUse]:
     """warpnn's walk of ``kernel``'s source alone (``analyse_array_uses`` reconciles it with Warp's facts)."""
     arrays = {s.name: (s.name, s.warp_ndim) for s in specs if s.is_array}

@@ -946,7 +946,7 @@ class _Recorder:
         operation wrote replay as their idle twins. (A later write matters where a ``wp.capture_while`` runs the
         launch again after it.)"""
         for index, keys, launched, twin, _ in self.proofs:
-            if index >= len(self.ops) or self.ops[index].kernel is not twin:
+            if index >= len(self.ops) or getattr(self.ops[index], "kernel", None) is not twin:
                 continue  # (the launch recorded nothing)
             if any(keys & self._written_by(op) for op in self.ops[index + 1:]):
                 self.ops[index] = dataclasses.replace(self.ops[index], kernel=launched)

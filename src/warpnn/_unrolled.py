@@ -32,7 +32,7 @@ from typing import Any
 
 import warp as wp
 
-from . import _batched, _settings, _twins
+from . import _access, _batched, _settings, _twins
 from ._signature import KernelSignature, signature_of
 
 MAX_UNROLL_ENV = "WARPNN_MAX_UNROLL"
@@ -121,9 +121,13 @@ def _twin(kernel, scalars: tuple[tuple[str, int], ...], dims: tuple[tuple[tuple[
     values = hashlib.sha1(repr((scalars, dims)).encode()).hexdigest()[:10]  # (the same key in every process)
     # A module per twin (values in its name): a kernel added to a module Warp has loaded makes it rebuild the module
     # and unload the code of the twins already launched from it.
-    return _batched.twin_from_body(kernel, params, body, f"warpnn_unrolled_{values}",
+    twin = _batched.twin_from_body(kernel, params, body, f"warpnn_unrolled_{values}",
                                    key=f"{kernel.key}{_SUFFIX}_{values}", options={"enable_backward": True},
                                    module_options={"enable_backward": True, "max_unroll": max_unroll})
+    owned = _access.declared_elements_owned(kernel)
+    if owned is not None:  # (a launch-time proof's twin: the same accesses with this call's values in the bounds)
+        _access.declare_elements_owned(twin, *owned)
+    return twin
 
 
 def is_unrolled(kernel) -> bool:
