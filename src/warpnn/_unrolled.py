@@ -14,7 +14,9 @@ are static to XLA. This twin of the kernel substitutes them as constants, so tha
 ``max_unroll`` raised to ``$WARPNN_MAX_UNROLL``), and its adjoint launches in place of the kernel's. The forward
 keeps launching the kernel itself. The same facts then decide on the twin as on any kernel: a loop the
 substitution does not fix (a bound read from an array, a ``while`` loop, one inside a ``@wp.func``, one longer than
-the limit) leaves its problem in the twin's facts, and the call is refused with the kernel's own reasons.
+the limit) leaves its problem in the twin's facts, and the call is refused with the kernel's own reasons. The
+twin of a kernel a launch-time proof placed the accesses of (``_owned.py``: its elements owned) keeps the proof:
+its accesses are the kernel's, with this call's values in place of the names.
 
 The twin is generated source (the substituted function, unparsed), so the twins built from it in turn (batched,
 row-loop, spread, pruned) keep the unrolling. Substituted: ``int`` (``int32``) parameters the body never assigns,
