@@ -43,15 +43,17 @@ N = 5
 PARENT = np.array([-1, 0, 1, 0, 3])
 
 
-def _trace(weights_np, *, weights_is_input=False, rewrite_weights=False):
+def _trace(weights_np, *, weights_is_input=False, rewrite_weights=None):
     x = wp.array(np.linspace(0.5, 1.5, N).astype(np.float32))
     f = wp.zeros(N, dtype=float)
     weights, parent = wp.array(weights_np.astype(np.float32)), wp.array(PARENT, dtype=int)
 
     def step():
+        if rewrite_weights == "before":
+            weights.fill_(0.0)
         wp.launch(scale, N, [x, f])
         wp.launch(add_up_the_chain, N, [weights, parent, x, f])
-        if rewrite_weights:
+        if rewrite_weights == "after":
             weights.fill_(0.0)
 
     inputs = {"x": x, **({"weights": weights} if weights_is_input else {})}
@@ -79,11 +81,11 @@ def test_a_launch_no_thread_of_which_gets_past_its_guard_differentiates_as_nothi
 
 
 @pytest.mark.parametrize("case", ["a thread past the guard", "the guard's array an input",
-                                  "the guard's array written later"])
+                                  "the guard's array written before", "the guard's array written later"])
 def test_a_launch_the_constants_do_not_keep_idle_keeps_its_refusal(case):
     weights_np = np.where(np.arange(N) == 3, 0.5, 0.0) if case == "a thread past the guard" else np.zeros(N)
-    program, x, f = _trace(weights_np, weights_is_input=case == "the guard's array an input",
-                           rewrite_weights=case == "the guard's array written later")
+    rewrite = {"the guard's array written before": "before", "the guard's array written later": "after"}.get(case)
+    program, x, f = _trace(weights_np, weights_is_input=case == "the guard's array an input", rewrite_weights=rewrite)
     assert "add_up_the_chain" in program.reverse_refusals()
     inputs = {"x": jnp.linspace(-1.0, 1.0, N)}
     if case == "the guard's array an input":
