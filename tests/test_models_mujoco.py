@@ -571,6 +571,21 @@ def test_a_fixed_tendon_with_its_spring_damper_and_motor_differentiates(tendon, 
         np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
 
 
+@pytest.mark.slow  # (a second trace of the tendon model: 25 s of CI's CPU)
+def test_tendon_kernels_stay_refused_where_their_guard_reads_a_parameter():
+    """The tendon kernels are idle only while the arrays their guards read are constants: with ``actuator_gear``
+    trained, ``tendon_armature_total`` (the guard's value) reads an input, nothing proves the launches idle, and
+    reverse mode refuses them, naming the kernel (Warp's adjoint of their loops would be wrong where they run)."""
+    mjm, mjd = start(TENDON, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    with on_one_device():
+        step = MujocoStep(mjm, mjd, param_fields=("actuator_gear",))
+    refused = step.reverse_refusals()
+    assert {"_tendon_dot", "_tendon_armature__locals__kernel"} <= set(refused)
+    s0 = step.initial_state()
+    with pytest.raises(TypeError, match="_tendon"):
+        jax.grad(lambda p: step(s0, p)["qvel"].sum())(step.initial_params())
+
+
 LINKAGE = """
 <mujoco>
   <option timestep="0.005"><flag contact="disable"/></option>
