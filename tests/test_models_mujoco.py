@@ -326,6 +326,26 @@ def mj_step_gradient(mjm, mjd, steps, weights, where, eps=1e-6):
     return np.array([(loss(i, eps) - loss(i, -eps)) / (2 * eps) for i in range(size)])
 
 
+def assert_gradients_match_mj_step(step, mjm, mjd, steps, weights, fields):
+    """jax.grad of ``weights . [qpos; qvel]`` after ``steps`` replayed steps from ``mjd``'s state w.r.t. the
+    controls, the initial velocity and the model parameters ``fields`` matches central differences of mj_step
+    (``mj_step_gradient``) to 1e-3 relative. Returns the most constraint rows a step had."""
+    s0 = step.initial_state()
+
+    def loss(params, ctrl, qvel):
+        final, _ = rollout(step, {**s0, "ctrl": ctrl, "qvel": qvel}, params=params, num_steps=steps)
+        return weighted_state(final, weights), final["nefc"]
+
+    (params, ctrl, qvel), rows = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        step.initial_params(), jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.qvel[None], jnp.float32))
+    checks = [(ctrl, lambda m, d: d.ctrl), (qvel, lambda m, d: d.qvel)]
+    checks += [(params[f], lambda m, d, f=f: getattr(m, f)) for f in fields]
+    for got, where in checks:
+        expected = mj_step_gradient(mjm, mjd, steps, weights, where)
+        np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    return int(np.asarray(rows).max())
+
+
 def test_arm_has_no_refused_kernel_and_differentiates_its_stages_by_rules(arm):
     """Every kernel of the arm's step differentiates (mujoco_warp builds 25 of its modules without adjoints: warpnn
     rebuilds them in modules of its own); the two stages no per-kernel adjoint gets right, the inertia solve and the
@@ -352,25 +372,10 @@ def test_arm_gradient_matches_finite_differences_of_mj_step(arm, steps):
     gains matches central differences of mj_step (float64) to 1e-3 relative (measured: <= 2e-6 on 2026-12-05,
     CPU): the smooth-dynamics tier of the MuJoCo issue."""
     step, mjm, _ = arm
-    s0 = step.initial_state()
     weights = np.array([1.0, -0.5, 0.3, 0.7])  # qpos, qvel of the two joints
     mjd = mujoco.MjData(mjm)
     mjd.qpos[:], mjd.qvel[:], mjd.ctrl[:] = [0.3, -0.5], [0.5, -1.0], [0.2, -0.1]
-
-    def loss(ctrl, qvel, params):
-        final, _ = rollout(step, {**s0, "ctrl": ctrl, "qvel": qvel}, params=params, num_steps=steps)
-        return weighted_state(final, weights)
-
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
-        jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params())
-    checks = [
-        (grads[0], lambda m, d: d.ctrl), (grads[1], lambda m, d: d.qvel),
-        (grads[2]["dof_damping"], lambda m, d: m.dof_damping),
-        (grads[2]["actuator_gainprm"], lambda m, d: m.actuator_gainprm),
-    ]
-    for got, where in checks:
-        expected = mj_step_gradient(mjm, mjd, steps, weights, where)
-        np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    assert_gradients_match_mj_step(step, mjm, mjd, steps, weights, ("dof_damping", "actuator_gainprm"))
 
 
 def test_cartpole_with_joint_limit_equals_mujoco_warp_with_a_sparse_jacobian():
@@ -555,20 +560,7 @@ def test_a_fixed_tendon_with_its_spring_damper_and_motor_differentiates(tendon, 
     CPU)."""
     step, mjm, mjd = tendon
     assert step.reverse_refusals() == {}
-    s0 = step.initial_state()
-    weights = np.array([1.0, -0.5, 0.3, 0.7])
-
-    def loss(params, ctrl, qvel):
-        final, _ = rollout(step, {**s0, "ctrl": ctrl, "qvel": qvel}, params=params, num_steps=steps)
-        return weighted_state(final, weights)
-
-    params, ctrl, qvel = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
-        step.initial_params(), jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.qvel[None], jnp.float32))
-    checks = [(ctrl, lambda m, d: d.ctrl), (qvel, lambda m, d: d.qvel)]
-    checks += [(params[f], lambda m, d, f=f: getattr(m, f)) for f in TENDON_PARAMS]
-    for got, where in checks:
-        expected = mj_step_gradient(mjm, mjd, steps, weights, where)
-        np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    assert_gradients_match_mj_step(step, mjm, mjd, steps, np.array([1.0, -0.5, 0.3, 0.7]), TENDON_PARAMS)
 
 
 @pytest.mark.slow  # (a second trace of the tendon model: 25 s of CI's CPU)
@@ -642,21 +634,9 @@ def test_a_linkage_with_a_fixed_tendon_a_connect_and_a_weld_differentiates():
     with on_one_device():
         step = MujocoStep(mjm, mjd, param_fields=LINKAGE_PARAMS)
     assert step.reverse_refusals() == {}
-    s0 = step.initial_state()
     weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
-
-    def loss(params, ctrl, qvel):
-        final, _ = rollout(step, {**s0, "ctrl": ctrl, "qvel": qvel}, params=params, num_steps=1)
-        return weighted_state(final, weights), final["nefc"]
-
-    (params, ctrl, qvel), rows = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
-        step.initial_params(), jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.qvel[None], jnp.float32))
-    assert int(np.asarray(rows).max()) == 9  # 3 connect rows, 6 weld rows
-    checks = [(ctrl, lambda m, d: d.ctrl), (qvel, lambda m, d: d.qvel)]
-    checks += [(params[f], lambda m, d, f=f: getattr(m, f)) for f in LINKAGE_PARAMS]
-    for got, where in checks:
-        expected = mj_step_gradient(mjm, mjd, 1, weights, where)
-        np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    rows = assert_gradients_match_mj_step(step, mjm, mjd, 1, weights, LINKAGE_PARAMS)
+    assert rows == 9  # 3 connect rows, 6 weld rows
 
 
 CONTACT_PARAMS = ("geom_friction", "geom_solref", "geom_solimp", "geom_margin")

@@ -30,7 +30,7 @@ import warp as wp
 
 from . import _batched, _twins
 from ._bounded import _Clean, _user_function
-from ._signature import kernel_array_uses
+from ._owned import _constant_params
 
 _PREFIX = "wnidle_"
 KEY_MARK = "__wnidle"  # an idle twin's key: its kernel's, then this (the tracer strips it to name the kernel)
@@ -121,10 +121,8 @@ def idle(kernel, args: list, dims: tuple[int, ...], constant: Callable[[Any], bo
     """The arrays the proof read where no thread of this launch of ``kernel`` (``args`` over ``dims``) gets past
     the guards the constants decide (the launch then replays as ``idle_twin(kernel)`` while those arrays stay
     constant); None otherwise (no such guard, a thread past it, a probe Warp cannot build)."""
-    uses = kernel_array_uses(kernel)
     by_name = dict(zip((a.label for a in kernel.adj.args), args))
-    constants = frozenset(n for n, a in by_name.items() if isinstance(a, wp.array) and n in uses
-                          and not uses[n].writes and constant(a))
+    constants = frozenset(_constant_params(kernel, args, constant))
     device = next((a.device for a in args if isinstance(a, wp.array)), None)
     try:
         found = _probe(kernel, constants)

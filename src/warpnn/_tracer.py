@@ -948,11 +948,15 @@ class _Recorder:
         for index, keys, launched, twin, _ in self.proofs:
             if index >= len(self.ops) or getattr(self.ops[index], "kernel", None) is not twin:
                 continue  # (the launch recorded nothing)
-            if any(keys & self._written_by(op) for op in self.ops[index + 1:]):
+            if self._written_after(index, keys):
                 self.ops[index] = dataclasses.replace(self.ops[index], kernel=launched)
         for index, keys in self.idle:
-            if not any(keys & self._written_by(op) for op in self.ops[index + 1:]):
+            if not self._written_after(index, keys):
                 self.ops[index] = dataclasses.replace(self.ops[index], kernel=_idle.idle_twin(self.ops[index].kernel))
+
+    def _written_after(self, index: int, keys: frozenset) -> bool:
+        """Whether an operation recorded after the one at ``index`` writes any of the arrays ``keys``."""
+        return any(keys & self._written_by(op) for op in self.ops[index + 1:])
 
     def _one_array_twice(self, kernel, args) -> tuple[tuple[str, str], ...]:
         """``(drop, keep)`` pairs of parameters the launch passes one array to, where the kernel writes either.
