@@ -160,3 +160,24 @@ def test_launch_beyond_warps_32_bit_thread_index_is_a_trace_time_error():
     f = warpnn.jax_kernel(K.scale_square)
     with pytest.raises(ValueError, match=r"wp\.tid\(\) with extent 2147483649"):
         jax.jit(lambda x: f(x, 1.0, launch_dims=2**31 + 1, output_dims=1)).lower(jnp.ones(1))
+
+
+@wp.kernel
+def _fill_without_tid(y: wp.array(dtype=float)):
+    y[0] = 1.0  # (no wp.tid(): Warp lets any number of threads run it)
+
+
+def test_the_native_handlers_thread_limit_is_warps_gate_or_the_exact_value_warp_resolved():
+    """The limit each native handler checks: Warp's gate (2**31, for every kernel) unless Warp resolved the exact
+    value (at a fresh build of the module, or for a launch past the gate): None for a kernel without wp.tid(), as
+    Warp's own launch checks it. Never a code generation of its own (that cost 7 s of a MuJoCo gradient's lowering)."""
+    from warpnn import _warp_compat as wc
+
+    for kernel in (K.scale_square, _fill_without_tid):
+        kernel.module.load(wp.get_device("cpu"))  # (as a launch loads it: a build, or the binary from Warp's cache)
+    assert wc.tid_extent_limit(K.scale_square) == 2**31
+    assert wc.tid_extent_limit(_fill_without_tid) in (2**31, None)
+    with pytest.raises(ValueError, match=r"wp\.tid\(\) with extent 2147483649"):
+        wc.build_launch_bounds((2**31 + 1,), K.scale_square)
+    wc.build_launch_bounds((2**31 + 1,), _fill_without_tid)  # (Warp resolves it: no limit)
+    assert wc.tid_extent_limit(K.scale_square) == 2**31 and wc.tid_extent_limit(_fill_without_tid) is None

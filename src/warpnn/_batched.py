@@ -892,10 +892,7 @@ class NativeTwins:
             raise RuntimeError("the twin's argument struct does not extend the kernel's")
         kernel = twin.kernel
         bounds_type: Any = type(wc.build_launch_bounds((1,) * kernel.adj.kernel_dim, kernel))  # a ctypes struct
-        try:
-            tid_limit = kernel.module._get_kernel_tid_extent_limit(kernel)
-        except Exception:  # noqa: BLE001 - private Warp API: the conservative candidate
-            tid_limit = kernel.adj.tid_extent_limit_candidate
+        tid_limit = wc.tid_extent_limit(kernel)
         rc = self._lib.warpnn_set_twin(
             kid, int(twin.batched), kernel.adj.kernel_dim, -1 if tid_limit is None else int(tid_limit), ctypes.sizeof(bounds_type),
             bounds_type.size.offset, bounds_type.coord_mult.offset, ctypes.sizeof(extended),

@@ -372,10 +372,7 @@ def describe(sig: KernelSignature) -> dict[str, Any]:
 
     kernel_dim = kernel.adj.kernel_dim
     bounds_type = type(wc.build_launch_bounds((1,) * kernel_dim, kernel))
-    try:  # exact wp.tid() limit (None: the kernel does not use wp.tid()), as warp's launch validates it
-        tid_limit = kernel.module._get_kernel_tid_extent_limit(kernel)
-    except Exception:  # noqa: BLE001 - private Warp API: fall back to the conservative candidate
-        tid_limit = kernel.adj.tid_extent_limit_candidate
+    tid_limit = wc.tid_extent_limit(kernel)
     return {
         "name": sig.key,
         "kernel_dim": kernel_dim,

@@ -10,6 +10,7 @@ and the CPU entry-point invoker. They are stable across the 1.19 series that
 from __future__ import annotations
 
 import warp as wp
+from warp._src.codegen import _TID_MAX_EXTENT as TID_MAX_EXTENT
 from warp._src.context import _build_kernel_launch_bounds as build_launch_bounds
 from warp._src.context import invoke as invoke_cpu
 from warp._src.context import _resolve_launch_block_dim as resolve_block_dim
@@ -37,7 +38,26 @@ __all__ = [
     "int_types",
     "type_scalar_type",
     "xla_ffi",
+    "tid_extent_limit",
 ]
+
+
+def tid_extent_limit(kernel) -> int | None:
+    """The largest extent of each ``wp.tid()`` dimension a launch of ``kernel`` may have (None: no limit).
+
+    Warp gates every kernel at ``adj.tid_extent_limit_candidate`` (2**31: ``wp.tid()`` is a signed 32-bit
+    coordinate) and resolves the exact value (None for a kernel that never calls ``wp.tid()``) only for a launch
+    past it, by a code generation of the kernel; warpnn's launch bounds, built at lowering for each launch's dims
+    (``build_launch_bounds``), go through that same gate. The native handler's copy of the limit, registered
+    once per kernel, takes the exact value where Warp has resolved it and the candidate otherwise: resolving it
+    for every kernel cost a code generation each (7 of the 37 s a MuJoCo step's gradient took to lower on a CPU).
+    """
+    module, key = kernel.module, getattr(kernel, "hash", None)
+    if key is not None:
+        for (_, kernel_hash), limit in getattr(module, "_tid_extent_limits", {}).items():
+            if kernel_hash == key:
+                return limit
+    return getattr(kernel.adj, "tid_extent_limit_candidate", TID_MAX_EXTENT)  # (set when Warp resolves the kernel)
 
 
 def runtime():
