@@ -33,7 +33,8 @@ a zero coefficient), the position update (its quaternion integration, right at z
 kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than plane-sphere, plane-box, plane-capsule,
-sphere-sphere, sphere-capsule and capsule-capsule, a sparse constraint Jacobian or elliptic cones. See
+sphere-sphere, sphere-capsule and capsule-capsule, a sparse constraint Jacobian. Elliptic friction cones
+differentiate (the contact rows by a rule, the solver's rule with the cone's force). See
 ``docs/mujoco.md``.
 
 Example::
@@ -130,8 +131,11 @@ def _stage_rules(m) -> list:
       aref) = 0`` with the constraint forces ``f`` (``-D (J a - aref)`` on the rows the solver left QUADRATIC,
       ``+-frictionloss`` on LINEARNEG / LINEARPOS, 0 on SATISFIED). The rule is one Newton step on ``F`` from the
       solution with the active set held (implicit differentiation: ``da = -H^-1 dF``, ``H = M + J' D J``), as MJX's
-      JAX backend differentiates its solver. Covered: a dense Jacobian, pyramidal cones, no noslip; otherwise the
-      rule refuses and reverse mode through the solver is refused with it.
+      JAX backend differentiates its solver. Elliptic cones add the force of a contact in the cone's middle
+      zone (``CONE``: :func:`_elliptic_cone_force`), which couples the contact's rows; ``H`` is then ``M`` minus
+      ``J'`` times the force's derivative (forward mode, a column per dof). Covered: a dense Jacobian, pyramidal
+      and elliptic cones, no noslip; otherwise the rule refuses and reverse mode through the solver is refused
+      with it.
     """
     from mujoco_warp._src import forward, smooth, solver, types
 
@@ -142,22 +146,24 @@ def _stage_rules(m) -> list:
             "where the servo's error wraps around, where the force has no derivative")
     dense = _inertia_to_dense(m)
     nv = m.nv
-    quadratic, negative, positive = (int(types.ConstraintState.QUADRATIC), int(types.ConstraintState.LINEARNEG),
-                                     int(types.ConstraintState.LINEARPOS))
+    quadratic, negative, positive, cone_state = (int(types.ConstraintState.QUADRATIC),
+                                                 int(types.ConstraintState.LINEARNEG),
+                                                 int(types.ConstraintState.LINEARPOS), int(types.ConstraintState.CONE))
 
     def solve_rule(before, after):
         y = before["y"]
         x = _spd_solve(dense(before["M"]), y[:, :nv])
         return {"x": after["x"].at[:, :nv].set(x) if after["x"].shape[1] > nv else x}
 
-    unsupported = ("a sparse constraint Jacobian" if m.is_sparse else
-                   "elliptic friction cones (opt.cone)" if m.opt.cone == types.ConeType.ELLIPTIC else
+    elliptic = m.opt.cone == types.ConeType.ELLIPTIC
+    unsupported = ("a sparse constraint Jacobian (mujoco_warp's default for nv > 32: set the MjModel's opt.jacobian "
+                   "to mujoco.mjtJacobian.mjJAC_DENSE, the same physics, to differentiate it)" if m.is_sparse else
                    "noslip iterations" if m.opt.noslip_iterations > 0 else None)
 
     def constraint_rule(before, after):
         if unsupported is not None:
-            raise NotImplementedError(f"the constraint solver's implicit rule covers pyramidal cones and a dense "
-                                      f"Jacobian without noslip; this model has {unsupported}")
+            raise NotImplementedError(f"the constraint solver's implicit rule covers a dense Jacobian without "
+                                      f"noslip; this model has {unsupported}")
         M = dense(before["M"])
         J = before["efc.J"][:, :, :nv]
         rows = jnp.arange(J.shape[1])[None, :] < after["nefc"][:, None]
@@ -165,16 +171,24 @@ def _stage_rules(m) -> list:
         d = jnp.where(rows & (state == quadratic), before["efc.D"], 0.0)
         linear = jnp.where(rows & (state == negative), before["efc.frictionloss"], 0.0) \
             - jnp.where(rows & (state == positive), before["efc.frictionloss"], 0.0)
+        cone = _elliptic_cone_force(before, after, rows & (state == cone_state)) if elliptic else None
 
         def force(a):
-            return -d * (_matvec(J, a) - before["efc.aref"]) + linear
+            residual = _matvec(J, a) - before["efc.aref"]
+            f = -d * residual + linear
+            return f if cone is None else f + cone(residual)
 
         def residual(a):
             return _matvec(M, a - before["qacc_smooth"][:, :nv]) - _matvec_transposed(J, force(a))
 
         solution = after["qacc"][:, :nv]
-        hessian = jax.lax.stop_gradient(M + jnp.einsum("wrv,wr,wru->wvu", J, d, J))
-        a = solution - _spd_solve(hessian, residual(solution))
+        if cone is None:
+            hessian = M + jnp.einsum("wrv,wr,wru->wvu", J, d, J)
+        else:  # (the cone's force couples a contact's rows: -df/da, one column per dof, by forward mode)
+            basis = jnp.broadcast_to(jnp.eye(nv, dtype=solution.dtype)[:, None], (nv, *solution.shape))
+            columns = jax.vmap(lambda t: jax.jvp(force, (solution,), (t,))[1])(basis)  # (dof, world, row)
+            hessian = M - jnp.einsum("wrv,uwr->wvu", J, columns)
+        a = solution - _spd_solve(jax.lax.stop_gradient(hessian), residual(solution))
         f = force(a)
         return {"qacc": a, "qfrc_constraint": _matvec_transposed(J, f),
                 "efc.force": jnp.where(rows, f, before["efc.force"]), "efc.Ma": _matvec(M, a)}
@@ -185,21 +199,69 @@ def _stage_rules(m) -> list:
         writes=lambda m, d, M, L, D, x, y: {"x": x},
         ignores=lambda m, d, M, L, D, x, y: {"L": L, "D": D, "x": x},  # overwritten
     )
+    def cone_reads(m, d):  # (an elliptic cone's force reads the contact's friction; a pyramid's enters through J)
+        return {"contact.friction": d.contact.friction, "opt.impratio_invsqrt": m.opt.impratio_invsqrt} \
+            if elliptic else {}
+
     constraint_solve = warpnn.StageRule(
         solver, "solve", constraint_rule,
         reads=lambda m, d: {"M": d.M, "qacc_smooth": d.qacc_smooth, "efc.J": d.efc.J, "efc.D": d.efc.D,
-                            "efc.aref": d.efc.aref, "efc.frictionloss": d.efc.frictionloss, "efc.force": d.efc.force},
+                            "efc.aref": d.efc.aref, "efc.frictionloss": d.efc.frictionloss, "efc.force": d.efc.force,
+                            **cone_reads(m, d)},
         writes=lambda m, d: {"qacc": d.qacc, "qfrc_constraint": d.qfrc_constraint, "efc.force": d.efc.force,
                              "efc.Ma": d.efc.Ma},
-        context=lambda m, d: {"nefc": d.nefc, "efc.state": d.efc.state},
+        context=lambda m, d: {"nefc": d.nefc, "efc.state": d.efc.state, **({
+            "efc.id": d.efc.id, "contact.dim": d.contact.dim, "contact.efc_address": d.contact.efc_address}
+            if elliptic else {})},
         # the warm start does not move a converged solution; qfrc_smooth = M qacc_smooth is read through both;
-        # the rest is overwritten; contact friction enters pyramidal cones through J
+        # the rest is overwritten
         ignores=lambda m, d: {"qacc_warmstart": d.qacc_warmstart, "qfrc_smooth": d.qfrc_smooth,
                               "qfrc_constraint": d.qfrc_constraint, "efc.Ma": d.efc.Ma, "qacc": d.qacc,
-                              "contact.friction": d.contact.friction},
+                              # (with elliptic cones the solver's Hessian skips contacts by their distance: a
+                              # choice of the active set, which efc.state holds)
+                              **({"contact.dist": d.contact.dist, "contact.includemargin": d.contact.includemargin}
+                                 if elliptic else {"contact.friction": d.contact.friction})},
     )
     return [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-            *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m)]
+            *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
+            *([_elliptic_rows_rule(m)] if elliptic else [])]
+
+
+def _elliptic_cone_force(before, after, on_cone):
+    """The constraint force of the contact rows in an elliptic cone's middle zone (``efc.state`` CONE), as a
+    function of the rows' residuals ``J a - aref``: as mujoco_warp's ``solver._eval_elliptic_middle`` (MuJoCo's
+    ``mj_constraintUpdate``) computes it from the contact's normal row and the norm of its friction rows, each
+    scaled by its friction coefficient: ``N = mu r_0``, ``T = |(f_j r_j)_j|``, ``f_0 = -dm (N - mu T) mu``,
+    ``f_j = -f_0 / T  f_j^2 r_j``, ``dm = D_0 / (mu^2 (1 + mu^2))``, ``mu = friction_0 / sqrt(impratio)``. Rows
+    in other states get 0 (their force is the quadratic or linear one)."""
+    worlds, nrows = on_cone.shape
+    contact = jnp.clip(after["efc.id"], 0, after["contact.dim"].shape[0] - 1)  # (world, row)
+    address = after["contact.efc_address"][contact]  # (world, row, slot): each row's contact's rows
+    dim = after["contact.dim"][contact]
+    friction = before["contact.friction"][contact]  # (world, row, 5)
+    ratio = before["opt.impratio_invsqrt"]
+    mu = friction[..., 0] * ratio[jnp.arange(worlds) % ratio.shape[0]][:, None]
+    slot = jnp.arange(address.shape[-1])
+    tangent = (slot >= 1) & (slot[None, None] < dim[..., None]) & (address >= 0)  # (world, row, slot)
+    scale = jnp.where(tangent, friction[..., jnp.clip(slot - 1, 0, friction.shape[-1] - 1)], 0.0)  # f_j
+    world = jnp.arange(worlds)[:, None, None]
+    at = jnp.clip(address, 0, nrows - 1)
+    normal_row = at[..., 0]
+    D0 = jnp.take_along_axis(before["efc.D"], normal_row, 1)
+    dm = D0 / jnp.where(on_cone, mu * mu * (1.0 + mu * mu), 1.0)
+    this_slot = jnp.arange(nrows)[None, :, None] == address  # (world, row, slot): the row's own slot
+
+    def cone(residual):
+        u = jnp.where(tangent, residual[world, at] * scale, 0.0)  # f_j r_j of each row's contact
+        squared = jnp.sum(u * u, -1)
+        T = jnp.sqrt(jnp.where(on_cone, squared, 1.0))  # (a middle-zone contact has T > 0)
+        N = mu * jnp.take_along_axis(residual, normal_row, 1)
+        normal_force = -dm * (N - mu * T) * mu
+        own = jnp.sum(jnp.where(this_slot, u * scale, 0.0), -1)  # f_j^2 r_j of the row itself (0: the normal row)
+        f = jnp.where(normal_row == jnp.arange(nrows)[None], normal_force, -normal_force / T * own)
+        return jnp.where(on_cone, f, 0.0)
+
+    return cone
 
 
 # The rules' products of per-world (or per-contact) matrices and vectors are written as products and sums, which
@@ -752,7 +814,8 @@ def _contact_rules(m) -> list:
       Other primitive pairs, or explicit ``<pair>`` contacts, make the rule refuse, naming them.
     * ``constraint._efc_contact_jac_dense``: the contact rows of the dense constraint Jacobian (a tile kernel:
       ``wp.tile_reduce`` has no adjoint). Rule: each row from ``cdof``, ``subtree_com``, the contact's position,
-      frame and friction (pyramidal cones), and ``efc.Jqvel`` += ``J qvel``, as the kernel computes them.
+      frame and friction (a pyramid's edges; an elliptic cone's rows along and about the frame's axes), and
+      ``efc.Jqvel`` += ``J qvel``, as the kernel computes them.
 
     The broadphase writes integers only (pair lists): no cotangent reaches it.
     """
@@ -762,6 +825,7 @@ def _contact_rules(m) -> list:
 
     plane, sphere, capsule, box = (int(t) for t in (types.GeomType.PLANE, types.GeomType.SPHERE,
                                                      types.GeomType.CAPSULE, types.GeomType.BOX))
+    elliptic = m.opt.cone == types.ConeType.ELLIPTIC
     ruled = {(plane, sphere): "plane-sphere", (plane, box): "plane-box", (sphere, sphere): "sphere-sphere",
              (plane, capsule): "plane-capsule", (sphere, capsule): "sphere-capsule",
              (capsule, capsule): "capsule-capsule"}
@@ -865,8 +929,6 @@ def _contact_rules(m) -> list:
         return out
 
     def jacobian_rule(before, after):
-        if m.opt.cone == types.ConeType.ELLIPTIC:
-            raise NotImplementedError("the contact Jacobian's rule covers pyramidal cones; this model has elliptic ones")
         nv = m.nv
         J, Jqvel = before["efc_J_out"], before["efc_Jqvel_out"]
         rows = jnp.arange(J.shape[1])[None, :]
@@ -888,13 +950,19 @@ def _contact_rules(m) -> list:
         frame = before["frame_in"][con]  # (world, row, 3 axes, 3)
         condim = after["condim_in"][con]
         dimid = rows - after["contact_efc_address_in"][con, 0]
-        which = jnp.clip(dimid // 2, 0, 4)  # tangent 1, 2, then spin, rolling 1, 2
-        friction = jnp.sum(jnp.where(which[..., None] == jnp.arange(5), before["friction_in"][con], 0.0), -1)
-        sign = jnp.where(condim > 1, friction * (1.0 - 2.0 * (dimid & 1)), 0.0)[..., None]
-        axis = jnp.where(which < 2, which + 1, which - 2)[..., None]  # the frame axis of the friction direction
-        side = jnp.where(axis == 0, frame[:, :, 0], jnp.where(axis == 1, frame[:, :, 1], frame[:, :, 2]))
-        linear = frame[:, :, 0] + jnp.where(which[..., None] < 2, sign * side, 0.0)
-        angular = jnp.where(which[..., None] >= 2, sign * side, 0.0)
+        if elliptic:  # rows 0-2: along the frame's axes; 3-5 (torsional, rolling): about them
+            axis = jnp.clip(jnp.where(dimid < 3, dimid, dimid - 3), 0, 2)[..., None]
+            side = jnp.where(axis == 0, frame[:, :, 0], jnp.where(axis == 1, frame[:, :, 1], frame[:, :, 2]))
+            linear = jnp.where(dimid[..., None] < 3, side, 0.0)
+            angular = jnp.where(dimid[..., None] >= 3, side, 0.0)
+        else:  # a pyramid's edge: the normal plus or minus the friction-scaled tangent (or spin, rolling) direction
+            which = jnp.clip(dimid // 2, 0, 4)  # tangent 1, 2, then spin, rolling 1, 2
+            friction = jnp.sum(jnp.where(which[..., None] == jnp.arange(5), before["friction_in"][con], 0.0), -1)
+            sign = jnp.where(condim > 1, friction * (1.0 - 2.0 * (dimid & 1)), 0.0)[..., None]
+            axis = jnp.where(which < 2, which + 1, which - 2)[..., None]  # the frame axis of the friction direction
+            side = jnp.where(axis == 0, frame[:, :, 0], jnp.where(axis == 1, frame[:, :, 1], frame[:, :, 2]))
+            linear = frame[:, :, 0] + jnp.where(which[..., None] < 2, sign * side, 0.0)
+            angular = jnp.where(which[..., None] >= 2, sign * side, 0.0)
         pos = before["pos_in"][con]
         body = jnp.asarray(geom_bodyid)[geoms]  # (world, row, 2 geoms)
         root = jnp.asarray(body_rootid)[body]
@@ -935,6 +1003,114 @@ def _contact_rules(m) -> list:
                                                 "geom_in", "contact_efc_address_in")},
     )
     return [narrowphase, jacobian]
+
+
+def _impedance(solref, solimp, distance, timestep, refsafe: bool):
+    """mujoco_warp's ``constraint._contact_kbimp``: a constraint row's stiffness ``k``, damping ``b`` and
+    impedance at ``distance`` from ``solref`` (time constant and damping ratio, or direct when not positive) and
+    ``solimp`` (``dmin, dmax, width, mid, power``), the continuous integrators' way (MuJoCo's ``getsolparam`` and
+    ``getimpedance``)."""
+    from mujoco_warp._src import types
+
+    low, high = types.MJ_MINIMP, types.MJ_MAXIMP
+    timeconst, dampratio = solref[..., 0], solref[..., 1]
+    if refsafe:
+        timeconst = jnp.maximum(timeconst, 2.0 * timestep)
+    dmin, dmax = jnp.clip(solimp[..., 0], low, high), jnp.clip(solimp[..., 1], low, high)
+    width = jnp.maximum(types.MJ_MINVAL, solimp[..., 2])
+    mid, power = jnp.clip(solimp[..., 3], low, high), jnp.maximum(1.0, solimp[..., 4])
+    k = jnp.where(solref[..., 0] <= 0.0, -solref[..., 0] / jnp.maximum(types.MJ_MINVAL, dmax * dmax),
+                  1.0 / jnp.maximum(types.MJ_MINVAL, dmax * dmax * timeconst * timeconst * dampratio * dampratio))
+    b = jnp.where(solref[..., 1] <= 0.0, -solref[..., 1] / jnp.maximum(types.MJ_MINVAL, dmax),
+                  2.0 / jnp.maximum(types.MJ_MINVAL, dmax * timeconst))
+    x = jnp.abs(distance) / width
+    inside = (x > 0.0) & (x < 1.0)
+    y = jnp.where(inside, x, 0.5)  # (the power branches at a safe point where they are not taken)
+    rising = jnp.power(y, power) / jnp.power(mid, power - 1.0)
+    falling = 1.0 - jnp.power(1.0 - y, power) / jnp.power(1.0 - mid, power - 1.0)
+    curve = jnp.clip(dmin + jnp.where(power == 1.0, y, jnp.where(y <= mid, rising, falling)) * (dmax - dmin),
+                     dmin, dmax)
+    imp = jnp.where((dmin == dmax) | (solimp[..., 2] <= types.MJ_MINVAL), 0.5 * (dmin + dmax),
+                    jnp.where(x <= 0.0, dmin, jnp.where(x >= 1.0, dmax, curve)))
+    return k, b, imp
+
+
+def _elliptic_rows_rule(m):
+    """``constraint._efc_contact_update`` for elliptic cones, by a rule (``warpnn.StageRule(per_launch=True)``).
+
+    Each thread writes a contact row's ``efc.D`` (and ``aref``, ``pos``, ...) through ``_efc_row`` and then, on a
+    friction row, divides it in place (``efc_D_out[w, r] /= scale``) and overwrites ``aref``: Warp's adjoint of a
+    store followed by a read and a store of the same element is wrong, and warpnn refuses it. Rule: the rows as the
+    kernel computes them, in JAX: ``pos = dist - margin`` (0 on friction rows), ``D = imp / ((1 - imp) invweight)``
+    (divided on friction row ``j`` by ``fri_0^2 / fri_j^2 / impratio``), ``aref = -k imp pos - b J qvel`` (friction
+    rows: the damping of ``solreffriction`` where it is set), with ``k, b, imp`` from the contact's ``solref`` and
+    ``solimp`` at its distance (:func:`_impedance`). Refused: the discrete integrator, adhesion.
+    """
+    import numpy as np
+    from mujoco_warp._src import constraint, types
+
+    constraint_contact = int(types.ContactType.CONSTRAINT)
+    refsafe = not (m.opt.disableflags & types.DisableBit.REFSAFE)
+    discrete = m.opt.integrator == types.IntegratorType.DISCRETE
+    geom_bodyid = np.asarray(m.geom_bodyid.numpy())
+    floats = ("efc_pos_out", "efc_margin_out", "efc_D_out", "efc_vel_out", "efc_aref_out", "efc_frictionloss_out")
+
+    def rule(before, after):
+        if discrete or m.flg_adhesion:
+            raise NotImplementedError("the elliptic contact rows' rule covers the continuous integrators without "
+                                      "adhesion; this model has " + ("the discrete integrator" if discrete else
+                                                                     "adhesion actuators"))
+        contacts, slots = after["contact_efc_address_in"].shape
+        slot = jnp.arange(slots)[None, :]
+        count = after["nacon_in"][0]
+        condim = after["condim_in"][:, None]
+        row = after["contact_efc_address_in"]
+        made = (jnp.arange(contacts) < count) & ((after["type_in"] & constraint_contact) != 0)
+        valid = made[:, None] & (slot < condim) & (row >= 0)
+        nworld = before["efc_D_out"].shape[0]
+        world = jnp.clip(after["worldid_in"], 0, nworld - 1)
+        timestep = before["opt_timestep"][world % before["opt_timestep"].shape[0]]
+        ratio = before["opt_impratio_invsqrt"][world % before["opt_impratio_invsqrt"].shape[0]]
+        bodies = jnp.asarray(geom_bodyid)[jnp.clip(after["geom_in"], 0, geom_bodyid.size - 1)]  # (contact, 2)
+        weights = before["body_invweight0"][(world % before["body_invweight0"].shape[0])[:, None], bodies, 0]
+        invweight = jnp.sum(weights, -1)
+        margin = before["includemargin_in"]
+        distance = before["dist_in"] - margin
+        k, b, imp = _impedance(before["solref_in"], before["solimp_in"], distance, timestep, refsafe)
+        D = 1.0 / jnp.maximum(invweight * (1.0 - imp) / imp, types.MJ_MINVAL)
+        friction = before["friction_in"]
+        first = jnp.where(slot >= 2, friction[:, :1] ** 2 / jnp.where(
+            slot >= 2, friction[:, jnp.clip(slot[0] - 1, 0, 4)], 1.0) ** 2, 1.0)  # fri_0^2 / fri_j^2 from row 2
+        scale = jnp.where(slot >= 1, (ratio * ratio)[:, None] * first, 1.0)
+        solreffriction = before["solreffriction_in"]
+        set_ = jnp.any(solreffriction != 0.0, -1, keepdims=True)
+        _, b_friction, _ = _impedance(jnp.where(set_, solreffriction, before["solref_in"]), before["solimp_in"],
+                                      distance, timestep, refsafe)
+        r = jnp.clip(row, 0, before["efc_D_out"].shape[1] - 1)
+        jqvel = before["efc_Jqvel_in"][world[:, None], r]
+        position = jnp.where(slot >= 1, 0.0, distance[:, None])
+        values = {
+            "efc_pos_out": position + margin[:, None],
+            "efc_margin_out": jnp.broadcast_to(margin[:, None], row.shape),
+            "efc_D_out": D[:, None] / scale,
+            "efc_vel_out": jqvel,
+            "efc_aref_out": jnp.where(slot >= 1, -b_friction[:, None] * jqvel,
+                                      -(k * imp)[:, None] * position - b[:, None] * jqvel),
+            "efc_frictionloss_out": jnp.zeros(row.shape, jqvel.dtype),
+        }
+        target_world = jnp.where(valid, world[:, None], nworld)  # (rows no thread writes: dropped)
+        return {name: before[name].at[target_world, r].set(value, mode="drop") for name, value in values.items()}
+
+    return warpnn.StageRule(
+        constraint, "_efc_contact_update", rule, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in ("opt_timestep", "opt_impratio_invsqrt", "body_invweight0",
+                                              "efc_Jqvel_in", "dist_in", "includemargin_in", "friction_in",
+                                              "solref_in", "solreffriction_in", "solimp_in", *floats)},
+        writes=lambda **a: {n: a[n] for n in floats},
+        ignores=lambda adhesion_in, **_: {"adhesion_in": adhesion_in},  # (read only with adhesion: refused)
+        context=lambda **a: {n: a[n] for n in ("contact_efc_address_in", "nacon_in", "condim_in", "worldid_in",
+                                                "geom_in", "type_in")},
+    )
 
 
 def _warn_of_static_geoms(mjm, param_fields: Sequence[str]) -> None:
