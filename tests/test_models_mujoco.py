@@ -19,6 +19,7 @@ mujoco = pytest.importorskip("mujoco")
 pytestmark = pytest.mark.quick_compile  # (tests/conftest.py)
 
 from .helpers import assert_close, on_one_device  # noqa: E402
+from mujoco_warp._src import constraint as mjw_constraint, types as mjw_types  # noqa: E402
 from warpnn_models.mujoco import (  # noqa: E402
     MujocoStep, _inertia_to_dense, _spd_solve, equinox_module, nnx_module, rollout)
 
@@ -1018,6 +1019,41 @@ def test_humanoid_differentiates():
     mjd.qvel[:] = np.random.default_rng(0).normal(size=mjm.nv) * 0.1
     for got, expected in contact_gradients(step, mjm, mjd, 1):
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3 * np.abs(expected).max())
+
+
+@wp.kernel
+def _kbimp_by_mujoco_warp(solref: wp.array(dtype=wp.vec2), solimp: wp.array(dtype=mjw_types.vec5),
+                          distance: wp.array(dtype=float), flags: int, timestep: float, out: wp.array(dtype=wp.vec3)):
+    i = wp.tid()
+    out[i] = mjw_constraint._contact_kbimp(flags, timestep, solref[i], solimp[i], distance[i], False)
+
+
+@pytest.mark.parametrize("refsafe", [True, False])
+def test_the_contact_impedance_equals_mujoco_warps(refsafe):
+    """``_impedance`` (the elliptic contact rows' rule's stiffness, damping and impedance) against mujoco_warp's
+    ``_contact_kbimp`` run by Warp, over time-constant and direct ``solref``, ``solimp`` of every shape (power 1,
+    above and below ``mid``, ``dmin == dmax``, a zero width) and distances inside, at and beyond the width."""
+    from warpnn_models.mujoco import _impedance
+
+    rng = np.random.default_rng(0)
+    n = 400
+    solref = np.stack([rng.uniform(0.002, 0.05, n), rng.uniform(0.3, 2.0, n)], 1)
+    solref[::4] = -np.abs(solref[::4]) * [1e4, 10.0]  # direct: -stiffness, -damping
+    solimp = np.stack([rng.uniform(0.5, 0.9, n), rng.uniform(0.9, 0.999, n), rng.uniform(1e-3, 0.02, n),
+                       rng.uniform(0.1, 0.9, n), rng.choice([1.0, 2.0, 3.5], n)], 1)
+    solimp[5::7, 1] = solimp[5::7, 0]  # dmin == dmax
+    solimp[6::11, 2] = 0.0  # no width
+    distance = -rng.uniform(0.0, 0.03, n)
+    distance[::9] = 0.0
+    timestep, flags = 0.01, 0 if refsafe else int(mjw_types.DisableBit.REFSAFE)
+    out = wp.zeros(n, dtype=wp.vec3, device="cpu")
+    wp.launch(_kbimp_by_mujoco_warp, n, device="cpu", inputs=[
+        wp.array(solref, dtype=wp.vec2, device="cpu"), wp.array(solimp, dtype=mjw_types.vec5, device="cpu"),
+        wp.array(distance, dtype=float, device="cpu"), flags, timestep, out])
+    got = np.stack([np.asarray(v) for v in _impedance(jnp.asarray(solref, jnp.float32), jnp.asarray(solimp, jnp.float32),
+                                                       jnp.asarray(distance, jnp.float32), timestep, refsafe)], 1)
+    np.testing.assert_allclose(got, out.numpy(), rtol=2e-5, atol=1e-6)
+    assert len(np.unique(np.round(got[:, 2], 4))) > 100  # (the impedance curve, not its ends only)
 
 
 def test_the_rules_solve_equals_a_dense_solve_with_its_gradient():
