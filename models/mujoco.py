@@ -199,6 +199,7 @@ def _stage_rules(m) -> list:
         writes=lambda m, d, M, L, D, x, y: {"x": x},
         ignores=lambda m, d, M, L, D, x, y: {"L": L, "D": D, "x": x},  # overwritten
     )
+
     def cone_reads(m, d):  # (an elliptic cone's force reads the contact's friction; a pyramid's enters through J)
         return {"contact.friction": d.contact.friction, "opt.impratio_invsqrt": m.opt.impratio_invsqrt} \
             if elliptic else {}
@@ -1083,8 +1084,8 @@ def _elliptic_rows_rule(m):
             slot >= 2, friction[:, jnp.clip(slot[0] - 1, 0, 4)], 1.0) ** 2, 1.0)  # fri_0^2 / fri_j^2 from row 2
         scale = jnp.where(slot >= 1, (ratio * ratio)[:, None] * first, 1.0)
         solreffriction = before["solreffriction_in"]
-        set_ = jnp.any(solreffriction != 0.0, -1, keepdims=True)
-        _, b_friction, _ = _impedance(jnp.where(set_, solreffriction, before["solref_in"]), before["solimp_in"],
+        own = jnp.any(solreffriction != 0.0, -1, keepdims=True)  # (else the friction rows take solref's)
+        _, b_friction, _ = _impedance(jnp.where(own, solreffriction, before["solref_in"]), before["solimp_in"],
                                       distance, timestep, refsafe)
         r = jnp.clip(row, 0, before["efc_D_out"].shape[1] - 1)
         jqvel = before["efc_Jqvel_in"][world[:, None], r]

@@ -379,6 +379,7 @@ def test_arm_gradient_matches_finite_differences_of_mj_step(arm, steps):
     assert_gradients_match_mj_step(step, mjm, mjd, steps, weights, ("dof_damping", "actuator_gainprm"))
 
 
+@pytest.mark.slow  # (17 s of CI's CPU: a forward-only check of the sparse layout; the dense one runs there)
 def test_cartpole_with_joint_limit_equals_mujoco_warp_with_a_sparse_jacobian():
     """Cart driven into its rail limit (the constraint solver engages from ~step 30), traced with a sparse
     constraint Jacobian: 50 replayed steps equal mujoco_warp run directly (measured max error 0.0) and mj_step
@@ -677,7 +678,8 @@ def test_box_falling_onto_a_plane(box):
     assert abs(float(traj["qpos"][-1, 0, 2]) - 0.1) < 5e-3  # resting on the plane
 
 
-@pytest.mark.parametrize("steps", [1, pytest.param(10, marks=pytest.mark.slow), 100])  # (10: slow, for CI's time)
+# (10 and 100: slow, for CI's time; the arm's smooth dynamics run through 100 steps there, contacts through 1)
+@pytest.mark.parametrize("steps", [1, pytest.param(10, marks=pytest.mark.slow), pytest.param(100, marks=pytest.mark.slow)])
 def test_box_gradient_through_contacts_matches_finite_differences_of_mj_step(box, steps):
     """The contact tier: a tilted box sliding on the plane (4 corner contacts, friction pyramids), jax.grad through
     1, 10 and 100 steps w.r.t. the initial velocity and the contact parameters (geom_friction, and geom_solref,

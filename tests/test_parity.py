@@ -162,9 +162,14 @@ def test_launch_beyond_warps_32_bit_thread_index_is_a_trace_time_error():
         jax.jit(lambda x: f(x, 1.0, launch_dims=2**31 + 1, output_dims=1)).lower(jnp.ones(1))
 
 
-@wp.kernel
+@wp.kernel(module="unique")  # (a module of its own: loading it builds nothing else)
 def _fill_without_tid(y: wp.array(dtype=float)):
     y[0] = 1.0  # (no wp.tid(): Warp lets any number of threads run it)
+
+
+@wp.kernel(module="unique")
+def _fill_at_tid(y: wp.array(dtype=float)):
+    y[wp.tid()] = 1.0
 
 
 def test_the_native_handlers_thread_limit_is_warps_gate_or_the_exact_value_warp_resolved():
@@ -173,11 +178,11 @@ def test_the_native_handlers_thread_limit_is_warps_gate_or_the_exact_value_warp_
     Warp's own launch checks it. Never a code generation of its own (that cost 7 s of a MuJoCo gradient's lowering)."""
     from warpnn import _warp_compat as wc
 
-    for kernel in (K.scale_square, _fill_without_tid):
+    for kernel in (_fill_at_tid, _fill_without_tid):
         kernel.module.load(wp.get_device("cpu"))  # (as a launch loads it: a build, or the binary from Warp's cache)
-    assert wc.tid_extent_limit(K.scale_square) == 2**31
+    assert wc.tid_extent_limit(_fill_at_tid) == 2**31
     assert wc.tid_extent_limit(_fill_without_tid) in (2**31, None)
     with pytest.raises(ValueError, match=r"wp\.tid\(\) with extent 2147483649"):
-        wc.build_launch_bounds((2**31 + 1,), K.scale_square)
+        wc.build_launch_bounds((2**31 + 1,), _fill_at_tid)
     wc.build_launch_bounds((2**31 + 1,), _fill_without_tid)  # (Warp resolves it: no limit)
-    assert wc.tid_extent_limit(K.scale_square) == 2**31 and wc.tid_extent_limit(_fill_without_tid) is None
+    assert wc.tid_extent_limit(_fill_at_tid) == 2**31 and wc.tid_extent_limit(_fill_without_tid) is None
