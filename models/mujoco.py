@@ -156,8 +156,8 @@ def _stage_rules(m) -> list:
         return {"x": after["x"].at[:, :nv].set(x) if after["x"].shape[1] > nv else x}
 
     elliptic = m.opt.cone == types.ConeType.ELLIPTIC
-    unsupported = ("a sparse constraint Jacobian (mujoco_warp's default for nv > 32: set the MjModel's opt.jacobian "
-                   "to mujoco.mjtJacobian.mjJAC_DENSE, the same physics, to differentiate it)" if m.is_sparse else
+    unsupported = ("a sparse constraint Jacobian (mujoco_warp's default above 32 dofs; MujocoStep(..., "
+                   "sparse_jacobian=False) traces a dense one, the same physics)" if m.is_sparse else
                    "noslip iterations" if m.opt.noslip_iterations > 0 else None)
 
     def constraint_rule(before, after):
@@ -1169,8 +1169,11 @@ class MujocoStep:
             ``nworld=1`` step, some of mujoco_warp's kernels launch once per batch element on a GPU (a warning
             names each and why).
         nconmax, njmax: contact and constraint capacity per world (``mujoco_warp.put_data``'s).
-        sparse_jacobian: trace with a sparse constraint Jacobian (a copy of ``model`` with
-            ``opt.jacobian = mjJAC_SPARSE``; same physics, float rounding aside). Default: the model's own. (With
+        sparse_jacobian: ``True``: trace with a sparse constraint Jacobian, ``False``: with a dense one (a copy of
+            ``model`` with ``opt.jacobian`` set to ``mjJAC_SPARSE`` / ``mjJAC_DENSE``; same physics, float rounding
+            aside). Default (``None``): the model's own, where MuJoCo's ``mjJAC_AUTO`` is sparse above 32 dofs in
+            mujoco_warp. Reverse mode through the constraint solver needs a dense one: ``False`` differentiates
+            such a model. (With
             a dense Jacobian and ``nv <= 50`` mujoco_warp's line search writes ``ctx.jv`` through one parameter and
             reads it back through another bound to the same array in the same launch; the tracer replays that
             kernel with the two parameters merged, as Warp runs it.)
@@ -1196,7 +1199,7 @@ class MujocoStep:
         nworld: int = 1,
         nconmax: int | None = None,
         njmax: int | None = None,
-        sparse_jacobian: bool = False,
+        sparse_jacobian: bool | None = None,
         solver_loop: str = "auto",
     ):
         import mujoco
@@ -1210,10 +1213,14 @@ class MujocoStep:
             raise ValueError(f"MujocoStep: nworld must be a positive int (the number of worlds), got {nworld!r}.")
         nworld = worlds
         self.mjm = _load(model)
-        swapped = sparse_jacobian and self.mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE
+        if sparse_jacobian not in (None, True, False):
+            raise ValueError(f"MujocoStep: sparse_jacobian must be True, False or None (the model's own), got "
+                             f"{sparse_jacobian!r}.")
+        layout = {True: mujoco.mjtJacobian.mjJAC_SPARSE, False: mujoco.mjtJacobian.mjJAC_DENSE}.get(sparse_jacobian)
+        swapped = layout is not None and self.mjm.opt.jacobian != layout
         if swapped:
             self.mjm = copy.copy(self.mjm)
-            self.mjm.opt.jacobian = mujoco.mjtJacobian.mjJAC_SPARSE
+            self.mjm.opt.jacobian = layout
         if data is None or swapped:  # (the constraint arrays of a given MjData are laid out for its model's Jacobian)
             given, data = data, mujoco.MjData(self.mjm)
             if given is not None:

@@ -118,7 +118,7 @@ ONE_AND_TEN_STEPS = [1, pytest.param(10, marks=pytest.mark.slow)]
 
 
 def start(xml, qpos=None, qvel=None):
-    mjm = mujoco.MjModel.from_xml_string(xml)
+    mjm = mujoco.MjModel.from_xml_string(xml) if isinstance(xml, str) else xml
     mjd = mujoco.MjData(mjm)
     if qpos is not None:
         mjd.qpos[:] = qpos
@@ -412,11 +412,16 @@ def test_cartpole_with_joint_limit_equals_mujoco_warp_and_differentiates_through
     0.09 off from step 24; the tracer runs that kernel with the parameters merged: measured max error 0.0).
     Gradients through 50 steps with the limit active (the solver's implicit rule, see
     warpnn_models.mujoco._stage_rules) match central differences of mj_step: 1e-2 relative asked (the
-    constraint tier), measured 5e-5 w.r.t. the control, 7e-7 w.r.t. the initial velocity."""
-    mjm, mjd = start(CARTPOLE, qpos=[0.0, 0.2], qvel=[1.0, 0.0])
-    assert mjm.opt.jacobian != mujoco.mjtJacobian.mjJAC_SPARSE
-    step = MujocoStep(mjm, mjd)
+    constraint tier), measured 5e-5 w.r.t. the control, 7e-7 w.r.t. the initial velocity. The MJCF asks for a
+    sparse Jacobian; ``sparse_jacobian=False`` traces a dense one (what a model above 32 dofs needs)."""
+    mjm, mjd = start(CARTPOLE.replace('<option timestep', '<option jacobian="sparse" timestep'), qpos=[0.0, 0.2],
+                     qvel=[1.0, 0.0])
+    assert mjm.opt.jacobian == mujoco.mjtJacobian.mjJAC_SPARSE
+    step = MujocoStep(mjm, mjd, sparse_jacobian=False)
     assert not step.m.is_sparse and step.reverse_refusals() == {}
+    mjm, mjd = start(step.mjm, qpos=mjd.qpos, qvel=mjd.qvel)  # (the dense copy: what was traced, run below)
+    with pytest.raises(ValueError, match="sparse_jacobian must be True, False or None"):
+        MujocoStep(mjm, mjd, sparse_jacobian="dense")
     ctrls = np.full((T, 1, 1), 0.3, np.float32)
     _, traj = jax.jit(lambda s, c: rollout(step, s, {"ctrl": c}))(step.initial_state(), ctrls)
     qpos, qvel = mujoco_warp_loop(mjm, mjd, ctrls)
