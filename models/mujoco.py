@@ -171,7 +171,8 @@ def _stage_rules(m) -> list:
         d = jnp.where(rows & (state == quadratic), before["efc.D"], 0.0)
         linear = jnp.where(rows & (state == negative), before["efc.frictionloss"], 0.0) \
             - jnp.where(rows & (state == positive), before["efc.frictionloss"], 0.0)
-        cone = _elliptic_cone_force(before, after, rows & (state == cone_state)) if elliptic else None
+        cone = _elliptic_cone_force(before, after, rows & (state == cone_state)) \
+            if elliptic and after["contact.dim"].shape[0] else None  # (no contact slots: no cone)
 
         def force(a):
             residual = _matvec(J, a) - before["efc.aref"]
