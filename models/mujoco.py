@@ -242,7 +242,7 @@ def _elliptic_cone_force(before, after, on_cone):
     dim = after["contact.dim"][contact]
     friction = before["contact.friction"][contact]  # (world, row, 5)
     ratio = before["opt.impratio_invsqrt"]
-    mu = friction[..., 0] * ratio[jnp.arange(worlds) % ratio.shape[0]][:, None]
+    mu = friction[..., 0] * _per_world(ratio, worlds)[:, None]
     slot = jnp.arange(address.shape[-1])
     tangent = (slot >= 1) & (slot[None, None] < dim[..., None]) & (address >= 0)  # (world, row, slot)
     scale = jnp.where(tangent, friction[..., jnp.clip(slot - 1, 0, friction.shape[-1] - 1)], 0.0)  # f_j
@@ -952,17 +952,19 @@ def _contact_rules(m) -> list:
         frame = before["frame_in"][con]  # (world, row, 3 axes, 3)
         condim = after["condim_in"][con]
         dimid = rows - after["contact_efc_address_in"][con, 0]
+
+        def frame_axis(axis):  # (selects, not a gather: no scatter-add into the frames in reverse)
+            return jnp.where(axis == 0, frame[:, :, 0], jnp.where(axis == 1, frame[:, :, 1], frame[:, :, 2]))
+
         if elliptic:  # rows 0-2: along the frame's axes; 3-5 (torsional, rolling): about them
-            axis = jnp.clip(jnp.where(dimid < 3, dimid, dimid - 3), 0, 2)[..., None]
-            side = jnp.where(axis == 0, frame[:, :, 0], jnp.where(axis == 1, frame[:, :, 1], frame[:, :, 2]))
+            side = frame_axis(jnp.clip(jnp.where(dimid < 3, dimid, dimid - 3), 0, 2)[..., None])
             linear = jnp.where(dimid[..., None] < 3, side, 0.0)
             angular = jnp.where(dimid[..., None] >= 3, side, 0.0)
         else:  # a pyramid's edge: the normal plus or minus the friction-scaled tangent (or spin, rolling) direction
             which = jnp.clip(dimid // 2, 0, 4)  # tangent 1, 2, then spin, rolling 1, 2
             friction = jnp.sum(jnp.where(which[..., None] == jnp.arange(5), before["friction_in"][con], 0.0), -1)
             sign = jnp.where(condim > 1, friction * (1.0 - 2.0 * (dimid & 1)), 0.0)[..., None]
-            axis = jnp.where(which < 2, which + 1, which - 2)[..., None]  # the frame axis of the friction direction
-            side = jnp.where(axis == 0, frame[:, :, 0], jnp.where(axis == 1, frame[:, :, 1], frame[:, :, 2]))
+            side = frame_axis(jnp.where(which < 2, which + 1, which - 2)[..., None])  # the friction direction's
             linear = frame[:, :, 0] + jnp.where(which[..., None] < 2, sign * side, 0.0)
             angular = jnp.where(which[..., None] >= 2, sign * side, 0.0)
         pos = before["pos_in"][con]
@@ -1081,8 +1083,8 @@ def _elliptic_rows_rule(m):
         k, b, imp = _impedance(before["solref_in"], before["solimp_in"], distance, timestep, refsafe)
         D = 1.0 / jnp.maximum(invweight * (1.0 - imp) / imp, types.MJ_MINVAL)
         friction = before["friction_in"]
-        first = jnp.where(slot >= 2, friction[:, :1] ** 2 / jnp.where(
-            slot >= 2, friction[:, jnp.clip(slot[0] - 1, 0, 4)], 1.0) ** 2, 1.0)  # fri_0^2 / fri_j^2 from row 2
+        own_friction = jnp.where(slot >= 2, friction[:, jnp.clip(slot[0] - 1, 0, 4)], 1.0)  # fri_j from row 2
+        first = jnp.where(slot >= 2, friction[:, :1] ** 2 / own_friction ** 2, 1.0)  # fri_0^2 / fri_j^2
         scale = jnp.where(slot >= 1, (ratio * ratio)[:, None] * first, 1.0)
         solreffriction = before["solreffriction_in"]
         own = jnp.any(solreffriction != 0.0, -1, keepdims=True)  # (else the friction rows take solref's)

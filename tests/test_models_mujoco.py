@@ -890,9 +890,9 @@ CAPSULES = """
 """
 
 
-def contact_gradients(step, mjm, mjd, steps):
-    """jax.grad of weights . [qpos; qvel] after ``steps`` w.r.t. qvel and geom_friction, next to mj_step's central
-    differences."""
+def contact_gradients(step, mjm, mjd, steps, params=("geom_friction",)):
+    """jax.grad of weights . [qpos; qvel] after ``steps`` w.r.t. qvel and the model parameters ``params``, each next
+    to mj_step's central differences."""
     s0 = step.initial_state()
     weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
 
@@ -902,9 +902,9 @@ def contact_gradients(step, mjm, mjd, steps):
         return weighted_state(final, weights)
 
     got = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params())
-    friction = mj_step_gradient(mjm, mjd, steps, weights, lambda m, d: m.geom_friction)
-    return [(np.ravel(got[0]), mj_step_gradient(mjm, mjd, steps, weights, lambda m, d: d.qvel)),
-            (np.ravel(got[1]["geom_friction"]), friction)]
+    return [(np.ravel(got[0]), mj_step_gradient(mjm, mjd, steps, weights, lambda m, d: d.qvel))] + [
+        (np.ravel(got[1][name]), mj_step_gradient(mjm, mjd, steps, weights, lambda m, d, name=name: getattr(m, name)))
+        for name in params]
 
 
 @pytest.fixture(scope="module")
@@ -966,20 +966,10 @@ def test_elliptic_cones_differentiate(elliptic, steps):
     first = copy.copy(mjd)
     mujoco.mj_step(mjm, first)
     assert first.ncon == 8 and (first.efc_state[:first.nefc] == mujoco.mjtConstraintState.mjCNSTRSTATE_CONE).all()
-    s0 = step.initial_state()
-    weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
-
-    def loss(qvel, params):
-        start_state = {**s0, "qpos": jnp.asarray(mjd.qpos[None], jnp.float32), "qvel": qvel}
-        return weighted_state(rollout(step, start_state, params=params, num_steps=steps)[0], weights)
-
-    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params())
-    checks = [(got[0], lambda m, d: d.qvel)]
-    checks += [(got[1][name], lambda m, d, name=name: getattr(m, name)) for name in CONTACT_PARAMS]
-    for value, where in checks:
-        expected = mj_step_gradient(mjm, mjd, steps, weights, where)
-        np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-2, atol=1e-3 * np.abs(expected).max())
-    friction = np.asarray(got[1]["geom_friction"])[0]
+    checks = contact_gradients(step, mjm, mjd, steps, CONTACT_PARAMS)
+    for got, expected in checks:
+        np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3 * np.abs(expected).max())
+    friction = checks[1][0].reshape(mjm.ngeom, 3)  # (geom_friction's: the second check)
     assert np.abs(friction[2, 1:]).min() > 0  # (the torsional and rolling coefficients reach the loss)
 
 
