@@ -7,6 +7,8 @@ through a view or a tile store. The corpus test runs the cross-check over code n
 
 import importlib
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ import warpnn
 from warpnn._access import ArrayUse, codegen_access, reconcile, walk_array_uses
 from warpnn._signature import kernel_array_uses
 
-from .helpers import assert_close, warp_config_kept
+from .helpers import ROOT, assert_close, subprocess_env, warp_config_kept
 
 
 @wp.func
@@ -707,20 +709,33 @@ def doubled_in_arrival_order(count: wp.array(dtype=int), x: wp.array(dtype=float
     out[slot] = 2.0 * x[i]
 
 
+# wp.Tape over doubled_in_arrival_order, in a subprocess: its adjoint stores through a slot the atomic never set
+# there, which at clang -O0 is garbage and crashed the process (a segmentation fault, 2026-12-07)
+_TAPE_OF_ARRIVAL_ORDER = """
+import numpy as np, warp as wp
+from tests.test_access import doubled_in_arrival_order
+weights = np.array([1.0, 10.0, 100.0, 1000.0], np.float32)
+count, out = wp.zeros(1, dtype=int), wp.zeros(4, dtype=float, requires_grad=True)
+x = wp.array(np.arange(1.0, 5.0, dtype=np.float32), requires_grad=True)
+tape = wp.Tape()
+with tape:
+    wp.launch(doubled_in_arrival_order, 4, [count, x, out])
+tape.backward(grads={out: wp.array(weights)})
+right = np.empty(4, np.float32)
+right[np.argsort(out.numpy())] = 2.0 * weights  # (the thread that wrote each slot: out[slot] = 2 x[thread])
+print("TAPE", "right" if np.allclose(x.grad.numpy(), right) else "wrong")
+"""
+
+
 def test_a_value_an_atomic_returned_refuses_reverse_mode():
     """Warp's adjoint kernel does not run atomics again (``skip_replay``), so the slot is not there when the store
-    is replayed: wp.Tape's gradient is wrong (the evidence below), and warpnn refuses instead, naming the atomic."""
+    is replayed: wp.Tape's gradient is wrong or the process crashes (the evidence below, in a subprocess), and
+    warpnn refuses instead, naming the atomic."""
     x_np = np.arange(1.0, 5.0, dtype=np.float32)
     weights = np.array([1.0, 10.0, 100.0, 1000.0], np.float32)
-    count, x, out = wp.zeros(1, dtype=int), wp.array(x_np, requires_grad=True), wp.zeros(4, dtype=float, requires_grad=True)
-    tape = wp.Tape()
-    with tape:
-        wp.launch(doubled_in_arrival_order, 4, [count, x, out])
-    tape.backward(grads={out: wp.array(weights)})
-    slots = np.argsort(out.numpy())  # (the thread that wrote each slot: out[slot] = 2 x[thread])
-    right = np.empty(4, np.float32)
-    right[slots] = 2.0 * weights
-    assert not np.allclose(x.grad.numpy(), right)  # Warp's own tape is wrong here
+    tape = subprocess.run([sys.executable, "-c", _TAPE_OF_ARRIVAL_ORDER], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert tape.returncode != 0 or "TAPE wrong" in tape.stdout, (tape.stdout, tape.stderr[-2000:])
     call = warpnn.jax_kernel(doubled_in_arrival_order, num_outputs=2, in_out_argnames=["count"])
     count_after, doubled = call(jnp.zeros(1, jnp.int32), jnp.asarray(x_np), launch_dims=4)
     assert_close(jnp.sort(doubled), 2.0 * x_np)  # the forward pass is right and stays available
