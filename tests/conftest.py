@@ -78,6 +78,11 @@ SLOW_FIRST = (
 # kernels at once. With more workers (a GPU host's -n 8) the module alone would outlast the rest of the suite.
 ONE_WORKER_MODULES = ("tests/test_models_mujoco.py",)
 ONE_WORKER_MODULES_UP_TO = 2  # workers
+# Tests that trace MuJoCo Warp in their own process run on that module's worker too: the code-generation facts,
+# twins and checks of mujoco_warp's kernels are then made once per run, not once per worker.
+ONE_WORKER_ALSO = {"tests/test_train_mujoco.py": "tests/test_models_mujoco.py",
+                   "tests/test_access.py::test_walk_agrees_with_warp_codegen_on_real_code[mujoco_warp]":
+                       "tests/test_models_mujoco.py"}
 
 
 @pytest.hookimpl(optionalhook=True)  # (an xdist hook: without xdist, never called)
@@ -93,7 +98,9 @@ def pytest_xdist_make_scheduler(config, log):
     class OneWorkerModules(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return module if module in ONE_WORKER_MODULES else nodeid
+            if module in ONE_WORKER_MODULES:
+                return module
+            return ONE_WORKER_ALSO.get(nodeid, ONE_WORKER_ALSO.get(module, nodeid))
 
     return OneWorkerModules(config, log)
 

@@ -317,8 +317,9 @@ print("RESULTS " + json.dumps(errors))
 '''
 
 
-# (each launcher once, with one thread and with the CPU pool split: the four crossings took 34 s of CI's suite)
-@pytest.mark.parametrize("launcher,threads", [("python", "1"), ("native", "3")])
+# (each launcher once, with one thread and with the CPU pool split: the four crossings took 34 s of CI's suite;
+# the Python launcher's is --slow on a CPU, 11 s with Warp's kernel cache empty)
+@pytest.mark.parametrize("launcher,threads", [pytest.param("python", "1", marks=pytest.mark.slow), ("native", "3")])
 def test_valid_stencils_differentiate_in_checked_mode(launcher, threads):
     """Stencils that read ``u[i - 1, j]`` and then ``u.shape`` and index with ``(i + k - 2 + n) % n`` (int32 and
     int64 mixed once failed to compile) run and differentiate, checked and not, in a subprocess: checked mode

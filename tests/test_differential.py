@@ -276,6 +276,8 @@ def test_newton_semi_implicit_cloth_launches():
 
 
 @pytest.mark.quick_compile
+@pytest.mark.slow  # (23 s of a 2-core CPU with Warp's kernel cache empty; Featherstone's forward against Newton and
+# its refusals run in CI: tests/test_models_newton.py)
 def test_newton_featherstone_launches():
     from warpnn_models.newton import NewtonStep
 

@@ -27,8 +27,9 @@ from .helpers import QUICK_COMPILE_LEVEL, subprocess_env
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Where the code comes from (a page, or the file a block includes), for code that builds many kernels and runs them
-# briefly (helpers.py): the Newton example took 48 s with Warp's kernel cache empty, 25 s at -O0, the same fit.
-QUICK_COMPILE_SOURCES = {"docs/mujoco.md", "examples/newton_cloth_fit.py"}
+# briefly (helpers.py): the Newton example took 48 s with Warp's kernel cache empty, 25 s at -O0, the same fit;
+# tracer.md (a Newton cloth, Newton's collision modules) 61 s, 22 s at -O0.
+QUICK_COMPILE_SOURCES = {"docs/mujoco.md", "docs/tracer.md", "examples/newton_cloth_fit.py"}
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
 INCLUDE = re.compile(r'^--8<--\s+"(?P<path>[^":]+)"\s*$')
 MARKER = re.compile(r"^\s*<!--\s*(?P<kind>skip-test|test)\s*:\s*(?P<value>.*?)\s*-->\s*$")

@@ -484,7 +484,8 @@ def actuated():
     return step, mjm, mjd
 
 
-@pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
+@pytest.mark.slow  # (24 s of a 2-core CPU with Warp's kernel cache empty, as in CI: the suite's 10 minutes)
+@pytest.mark.parametrize("steps", [1, 10])
 def test_actuators_with_activation_dynamics_and_joint_friction_differentiate(actuated, steps):
     """mujoco_warp's ``_actuator_force`` writes ``act_dot`` at each actuator's activation address and reads it back
     only in its DC-motor branch, through a @wp.func: the launch-time proof (``warpnn._owned``) shows no thread of
@@ -622,6 +623,8 @@ LINKAGE_PARAMS = ("tendon_stiffness", "tendon_lengthspring", "eq_solref", "eq_da
                   "actuator_gainprm")
 
 
+@pytest.mark.slow  # (54 s of a 2-core CPU with Warp's kernel cache empty, as in CI: the tendon's and the
+# equality constraints' kernels compile for it alone)
 def test_a_linkage_with_a_fixed_tendon_a_connect_and_a_weld_differentiates():
     """A closed chain (a connect constraint), a welded flap and a tendon-driven arm: mujoco_warp's connect and weld
     kernels record the atomics that number their rows and loop over the dofs (``range(nv)``); their adjoint
@@ -791,6 +794,7 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
             np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
 
 
+@pytest.mark.slow  # (a gradient program of its own, 9-12 s of a 2-core CPU: the suite's 10 minutes)
 def test_applied_forces_differentiate_where_they_are_zero(tree):
     """The applied forces are in the default state (as ctrl: per step, differentiable). mujoco_warp skips a body
     whose ``xfrc_applied`` is exactly zero (``if ft_body == wp.spatial_vector(): continue``), and Warp's adjoint of
