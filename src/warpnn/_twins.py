@@ -37,7 +37,8 @@ def copy_tree(node, kernel):
 def _copy_nodes(value, memo: dict):
     """``copy.deepcopy`` of an AST whose nodes' other attributes (Warp's resolved functions, constants) are kept,
     not copied: nodes and lists of them are new (a node reached twice is copied once), anything else is shared.
-    (deepcopy with those attributes in its memo did the same, 8x slower: 3 s of a MuJoCo model's first trace.)"""
+    (deepcopy with those attributes in its memo did the same, 3x slower: 0.23 s against 0.08 s over 73 kernels of
+    mujoco_warp, Newton and warp.examples.)"""
     if isinstance(value, ast.AST):
         copied = memo.get(id(value))
         if copied is None:
