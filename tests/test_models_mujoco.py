@@ -973,7 +973,7 @@ def test_elliptic_cones_differentiate(elliptic, steps):
     checks = contact_gradients(step, mjm, mjd, steps, CONTACT_PARAMS)
     for got, expected in checks:
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3 * np.abs(expected).max())
-    friction = checks[1][0].reshape(mjm.ngeom, 3)  # (geom_friction's: the second check)
+    friction = checks[1 + CONTACT_PARAMS.index("geom_friction")][0].reshape(mjm.ngeom, 3)  # (after qvel's check)
     assert np.abs(friction[2, 1:]).min() > 0  # (the torsional and rolling coefficients reach the loss)
 
 
