@@ -32,8 +32,9 @@ constraint solver (its optimality conditions at the solution), the primitive nar
 a zero coefficient), the position update (its quaternion integration, right at zero angular velocity); the other
 kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
-the reason (``reverse_refusals()``): collision pairs other than plane-sphere, plane-box, plane-capsule,
-sphere-sphere, sphere-capsule and capsule-capsule, a sparse constraint Jacobian. Elliptic friction cones
+the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
+cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, and capsule-capsule (capsule-box,
+box-box, meshes and convex pairs are refused), a sparse constraint Jacobian. Elliptic friction cones
 differentiate (the contact rows by a rule, the solver's rule with the cone's force). See
 ``docs/mujoco.md``.
 
@@ -782,6 +783,141 @@ def _segment_weights(a, b, c, d, pair):
     return weights[0], weights[1]
 
 
+# The primitive collisions of mujoco_warp's narrowphase (collision_primitive_core), in JAX, one function per geom
+# pair: each takes the two geoms' positions, orientations and sizes per contact slot and the collision id the launch
+# left in the slot (which of a pair's contacts it is), and gives the contact's distance, position and frame. Every
+# branch of the Warp function is computed and selected by its condition, divisions guarded, so that the branches
+# not taken leave no NaN in the derivative.
+
+def _plane_sphere(plane_pos, plane_rot, _, pos, __, size, ___):
+    normal = plane_rot[:, :, 2]
+    dist = jnp.sum((pos - plane_pos) * normal, -1) - size[:, 0]
+    return dist, pos - normal * (size[:, 0] + 0.5 * dist)[:, None], _make_frame(normal)
+
+
+def _plane_capsule(plane_pos, plane_rot, _, pos, rot, size, cid):
+    normal, axis = plane_rot[:, :, 2], rot[:, :, 2]
+    end = pos + jnp.where(cid == 0, 1.0, -1.0)[:, None] * axis * size[:, 1:2]  # contact 0 at +axis
+    dist = jnp.sum((end - plane_pos) * normal, -1) - size[:, 0]
+    return dist, end - normal * (size[:, 0] + 0.5 * dist)[:, None], _plane_capsule_frame(normal, axis)
+
+
+def _plane_ellipsoid(plane_pos, plane_rot, _, pos, rot, size, __):
+    normal = plane_rot[:, :, 2]
+    scaled = _matvec_transposed(rot, normal) * size  # (the plane's normal in the ellipsoid's frame, scaled)
+    length = _safe_norm(scaled)
+    deepest = pos + _matvec(rot, -_safe_divide(scaled, length, length > 0) * size)
+    dist = jnp.sum(normal * (deepest - plane_pos), -1)
+    return dist, deepest - normal * 0.5 * dist[:, None], _make_frame(normal)
+
+
+def _plane_cylinder(plane_pos, plane_rot, _, pos, rot, size, cid):
+    """Four contacts: the rim's point nearest the plane on each cap (ids 0, 1), two more on the near cap (2, 3)."""
+    normal, radius, half = plane_rot[:, :, 2], size[:, 0:1], size[:, 1:2]
+    along = jnp.sum(normal * rot[:, :, 2], -1, keepdims=True)
+    axis = jnp.where(along > 0, -rot[:, :, 2], rot[:, :, 2])  # (towards the plane)
+    along = -jnp.abs(along)
+    centre = jnp.sum((pos - plane_pos) * normal, -1, keepdims=True)
+    rim = axis * along - normal
+    squared = jnp.sum(rim * rim, -1, keepdims=True)
+    tilted = squared >= 1e-12
+    rim = jnp.where(tilted, rim * radius / jnp.sqrt(jnp.where(tilted, squared, 1.0)),
+                    jnp.array([1.0, 0.0, 0.0], pos.dtype) * radius)
+    rim_down = jnp.sum(rim * normal, -1, keepdims=True)
+    axis, along = axis * half, along * half
+    side = jnp.cross(rim, axis)
+    side_length = _safe_norm(side)
+    side = _safe_divide(side, side_length, side_length > 0) * radius * (3.0**0.5 * 0.5)
+    near, far, third = centre + along + rim_down, centre - along + rim_down, centre + along - 0.5 * rim_down
+    dists = [near, far, third, third]
+    points = [pos + rim + axis, pos + rim - axis, pos + side + axis - 0.5 * rim, pos - side + axis - 0.5 * rim]
+    dist = sum(jnp.where(cid[:, None] == k, d, 0.0) for k, d in enumerate(dists))
+    point = sum(jnp.where(cid[:, None] == k, p, 0.0) for k, p in enumerate(points))
+    return dist[:, 0], point - normal * 0.5 * dist, _make_frame(normal)
+
+
+def _plane_box(plane_pos, plane_rot, _, pos, rot, size, cid):
+    """The corner the collision id names (bit k: + or - the half-size along the box's axis k)."""
+    normal = plane_rot[:, :, 2]
+    bits = (cid[:, None] >> jnp.arange(3)) & 1
+    corner = _matvec(rot, jnp.where(bits == 1, 1.0, -1.0) * size)
+    dist = jnp.sum((pos - plane_pos) * normal, -1) + jnp.sum(normal * corner, -1)
+    return dist, corner + pos - 0.5 * normal * dist[:, None], _make_frame(normal)
+
+
+def _sphere_sphere_contact(pos1, _, size1, pos2, __, size2, ___):
+    dist, pos, normal = _sphere_sphere(pos1, size1[:, 0], pos2, size2[:, 0])
+    return dist, pos, _make_frame(normal)
+
+
+def _sphere_capsule(pos1, _, size1, pos2, rot2, size2, __):
+    axis = rot2[:, :, 2]
+    along = jnp.clip(jnp.sum(axis * (pos1 - pos2), -1, keepdims=True), -size2[:, 1:2], size2[:, 1:2])
+    dist, pos, normal = _sphere_sphere(pos1, size1[:, 0], pos2 + axis * along, size2[:, 0])
+    return dist, pos, _make_frame(normal)
+
+
+def _sphere_cylinder(pos1, _, size1, pos2, rot2, size2, __):
+    """The cylinder's side, a cap or the rim, whichever the sphere's centre is nearest (as the kernel decides)."""
+    axis, radius, half = rot2[:, :, 2], size2[:, 0], size2[:, 1]
+    offset = pos1 - pos2
+    x = jnp.sum(offset * axis, -1)
+    out = offset - axis * x[:, None]  # (away from the axis)
+    squared = jnp.sum(out * out, -1)
+    side, cap = jnp.abs(x) < half, squared < radius * radius
+    cap_nearer = half - jnp.abs(x) < radius - jnp.sqrt(jnp.where(side & cap, squared, 0.0))
+    side, cap = side & ~(cap & cap_nearer), cap & ~(side & ~cap_nearer)
+    side_dist, side_pos, side_normal = _sphere_sphere(pos1, size1[:, 0], pos2 + axis * x[:, None], radius)
+    up = jnp.where(x > 0, 1.0, -1.0)[:, None] * axis  # (the cap's outward normal)
+    cap_dist = jnp.sum((pos1 - pos2 - up * half[:, None]) * up, -1) - size1[:, 0]
+    cap_pos = pos1 - up * (size1[:, 0] + 0.5 * cap_dist)[:, None]
+    scale = _safe_divide(radius, jnp.sqrt(jnp.where(squared > 0, squared, 1.0)), squared > 0)  # (0: on the axis)
+    rim = pos2 + jnp.where(x < 0, -1.0, 1.0)[:, None] * axis * half[:, None] + out * scale[:, None]
+    rim_dist, rim_pos, rim_normal = _sphere_sphere(pos1, size1[:, 0], rim, jnp.zeros_like(radius))
+    dist = jnp.where(side, side_dist, jnp.where(cap, cap_dist, rim_dist))
+    pos = jnp.where(side[:, None], side_pos, jnp.where(cap[:, None], cap_pos, rim_pos))
+    normal = jnp.where(side[:, None], side_normal, jnp.where(cap[:, None], -up, rim_normal))
+    return dist, pos, _make_frame(normal)
+
+
+def _sphere_box(pos1, _, size1, pos2, rot2, size2, __):
+    """Outside the box: towards its nearest point; inside: out through its nearest face."""
+    from mujoco_warp._src.types import MJ_MINVAL
+
+    radius = size1[:, 0:1]
+    centre = _matvec_transposed(rot2, pos1 - pos2)  # (in the box's frame)
+    clamped = jnp.clip(centre, -size2, size2)
+    length = _safe_norm(clamped - centre)
+    towards = _safe_divide(clamped - centre, length, length > 0)
+    outside_pos = 0.5 * (clamped + centre + towards * radius)
+    faces = jnp.abs(jnp.stack([sign * size2[:, k] - centre[:, k] for k in range(3) for sign in (-1.0, 1.0)], -1))
+    face = jnp.argmin(faces, -1)  # (the first of equals, as the kernel's strict comparison keeps)
+    nearest = jax.nn.one_hot(face // 2, 3, dtype=pos1.dtype) * jnp.where(face % 2 == 1, -1.0, 1.0)[:, None]
+    depth = jnp.take_along_axis(faces, face[:, None], -1)
+    inside = (length <= MJ_MINVAL)
+    local_pos = jnp.where(inside, centre + nearest * 0.5 * (radius - depth), outside_pos)
+    dist = jnp.where(inside, -depth - radius, length - radius)[:, 0]
+    normal = _matvec(rot2, jnp.where(inside, nearest, towards))
+    return dist, pos2 + _matvec(rot2, local_pos), _make_frame(normal)
+
+
+def _capsule_capsule(pos1, rot1, size1, pos2, rot2, size2, cid):
+    """The closest points of the two axes (``cid`` 1: the second pair of parallel capsules)."""
+    axis1, axis2 = rot1[:, :, 2], rot2[:, :, 2]
+    half1, half2 = size1[:, 1:2], size2[:, 1:2]
+    s, t = _segment_weights(pos1 - axis1 * half1, pos1 + axis1 * half1, pos2 - axis2 * half2, pos2 + axis2 * half2,
+                            cid)
+    dist, pos, normal = _sphere_sphere(pos1 + axis1 * half1 * (2 * s - 1), size1[:, 0],
+                                       pos2 + axis2 * half2 * (2 * t - 1), size2[:, 0])
+    return dist, pos, _make_frame(normal)
+
+
+_PAIR_CONTACTS = {"plane-sphere": _plane_sphere, "plane-capsule": _plane_capsule, "plane-ellipsoid": _plane_ellipsoid,
+                  "plane-cylinder": _plane_cylinder, "plane-box": _plane_box, "sphere-sphere": _sphere_sphere_contact,
+                  "sphere-capsule": _sphere_capsule, "sphere-cylinder": _sphere_cylinder, "sphere-box": _sphere_box,
+                  "capsule-capsule": _capsule_capsule}
+
+
 # Up to this many subtree roots among the bodies contacts touch, the contact Jacobian rule takes each row's root's
 # centre of mass by a select per root; beyond, by a gather (one select per root over every row would cost more).
 ROOTS_BY_SELECTS = 8
@@ -808,8 +944,9 @@ def _contact_rules(m) -> list:
       (inside ``write_contact``), through a table of collision functions, which no per-kernel adjoint gets right.
       Rule: the contact's distance, position and frame recomputed in JAX from ``geom_xpos`` / ``geom_xmat`` (and
       ``geom_size``) for the pair and the collision id the launch left in each written slot (the box's corner, the
-      capsule's end, the second pair of parallel capsules), as mujoco_warp's ``plane_sphere``, ``plane_box``,
-      ``plane_capsule``, ``sphere_sphere``, ``sphere_capsule`` and ``capsule_capsule`` compute them; friction,
+      capsule's end, the second pair of parallel capsules), as mujoco_warp's collision functions compute them
+      (``_PAIR_CONTACTS``: a plane against spheres, capsules, ellipsoids, cylinders and boxes, a sphere against
+      spheres, capsules, cylinders and boxes, capsule-capsule), only for the pairs the model has; friction,
       ``solref``, ``solimp`` and the margin from ``geom_friction``, ``geom_solref``, ``geom_solimp``,
       ``geom_solmix`` and ``geom_margin`` as ``collision_core.contact_material_params`` mixes them (contact
       stiffness, damping, impedance and margins differentiate); the gap only decides which contacts are made.
@@ -825,12 +962,9 @@ def _contact_rules(m) -> list:
     from mujoco_warp._src import collision_primitive, constraint, types
     from mujoco_warp._src.math import upper_trid_index
 
-    plane, sphere, capsule, box = (int(t) for t in (types.GeomType.PLANE, types.GeomType.SPHERE,
-                                                     types.GeomType.CAPSULE, types.GeomType.BOX))
     elliptic = m.opt.cone == types.ConeType.ELLIPTIC
-    ruled = {(plane, sphere): "plane-sphere", (plane, box): "plane-box", (sphere, sphere): "sphere-sphere",
-             (plane, capsule): "plane-capsule", (sphere, capsule): "sphere-capsule",
-             (capsule, capsule): "capsule-capsule"}
+    ruled = {(int(types.GeomType[a.upper()]), int(types.GeomType[b.upper()])): f"{a}-{b}"
+             for a, b in (name.split("-") for name in _PAIR_CONTACTS)}
     geom_type = np.asarray(m.geom_type.numpy())
     geom_priority = np.asarray(m.geom_priority.numpy())
     geom_bodyid = np.asarray(m.geom_bodyid.numpy())
@@ -866,45 +1000,19 @@ def _contact_rules(m) -> list:
         def geom(name, g):  # a geom parameter for each slot's world (one gather: no (slot, geom) table)
             return before[name][world % before[name].shape[0], g]
 
-        p1, p2, rot2 = xpos[world, g1], xpos[world, g2], xmat[world, g2]
-        normal = xmat[world, g1][:, :, 2]  # geom 1's z axis: a plane's normal, a capsule's axis
-        size1, size2 = geom("geom_size", g1), geom("geom_size", g2)
-        r1, r2 = size1[:, 0], size2[:, 0]
-        # plane-sphere
-        sphere_dist = jnp.sum((p2 - p1) * normal, -1) - r2
-        sphere_pos = p2 - normal * (r2 + 0.5 * sphere_dist)[:, None]
-        # plane-box: the corner the collision id names (bit k: + or - half-size along the box's axis k)
-        bits = (after["contact_geomcollisionid_out"][:, None] >> jnp.arange(3)) & 1
-        corner = _matvec(rot2, jnp.where(bits == 1, 1.0, -1.0) * size2)
-        box_dist = jnp.sum((p2 - p1) * normal, -1) + jnp.sum(normal * corner, -1)
-        box_pos = corner + p2 - 0.5 * normal * box_dist[:, None]
-        balls_dist, balls_pos, between = _sphere_sphere(p1, r1, p2, r2)
-        # capsules (axis: the geom's z; size: radius, half-length), as collision_primitive_core computes them
+        geoms = [(xpos[world, g], xmat[world, g], geom("geom_size", g)) for g in (g1, g2)]
         cid = after["contact_geomcollisionid_out"]
-        axis1, axis2 = normal, rot2[:, :, 2]
-        half1, half2 = size1[:, 1:2], size2[:, 1:2]
-        end = p2 + jnp.where(cid == 0, 1.0, -1.0)[:, None] * axis2 * half2  # plane-capsule: contact 0 at +axis
-        plane_cap_dist = jnp.sum((end - p1) * normal, -1) - r2
-        plane_cap_pos = end - normal * (r2 + 0.5 * plane_cap_dist)[:, None]
-        plane_cap_frame = _plane_capsule_frame(normal, axis2)
-        along = jnp.clip(jnp.sum(axis2 * (p1 - p2), -1, keepdims=True), -half2, half2)  # sphere-capsule
-        ball_cap_dist, ball_cap_pos, ball_cap_normal = _sphere_sphere(p1, r1, p2 + axis2 * along, r2)
-        s, t = _segment_weights(p1 - axis1 * half1, p1 + axis1 * half1, p2 - axis2 * half2, p2 + axis2 * half2, cid)
-        caps_dist, caps_pos, caps_normal = _sphere_sphere(p1 + axis1 * half1 * (2 * s - 1), r1,
-                                                          p2 + axis2 * half2 * (2 * t - 1), r2)
         kind = jnp.asarray(geom_type)[g1] * ntypes + jnp.asarray(geom_type)[g2]
-        cases = [(kind == plane * ntypes + box, box_dist, box_pos, normal),
-                 (kind == sphere * ntypes + sphere, balls_dist, balls_pos, between),
-                 (kind == sphere * ntypes + capsule, ball_cap_dist, ball_cap_pos, ball_cap_normal),
-                 (kind == capsule * ntypes + capsule, caps_dist, caps_pos, caps_normal)]
-        dist, pos, towards = sphere_dist, sphere_pos, normal  # (plane-sphere, and slots nothing wrote)
-        for case, case_dist, case_pos, case_normal in cases:
-            dist = jnp.where(case, case_dist, dist)
-            pos, towards = (jnp.where(case[:, None], a, b) for a, b in ((case_pos, pos), (case_normal, towards)))
-        on_plane_cap = kind == plane * ntypes + capsule
-        dist = jnp.where(on_plane_cap, plane_cap_dist, dist)
-        pos = jnp.where(on_plane_cap[:, None], plane_cap_pos, pos)
-        frame = jnp.where(on_plane_cap[:, None, None], plane_cap_frame, _make_frame(towards))
+        computed = {}
+        # the pairs the model has, and only those (each pair's JAX runs on every slot), selected per slot by kind
+        for pair in present:
+            dist, pos, frame = _PAIR_CONTACTS[ruled[pair]](*geoms[0], *geoms[1], cid)
+            if computed:
+                case = kind == pair[0] * ntypes + pair[1]
+                dist = jnp.where(case, dist, computed["contact_dist_out"])
+                pos = jnp.where(case[:, None], pos, computed["contact_pos_out"])
+                frame = jnp.where(case[:, None, None], frame, computed["contact_frame_out"])
+            computed.update(contact_dist_out=dist, contact_pos_out=pos, contact_frame_out=frame)
         f1, f2 = geom("geom_friction", g1), geom("geom_friction", g2)
         q1, q2 = jnp.asarray(geom_priority)[g1][:, None], jnp.asarray(geom_priority)[g2][:, None]
         mixed = jnp.where(q1 > q2, f1, jnp.where(q2 > q1, f2, jnp.maximum(f1, f2)))
@@ -920,9 +1028,8 @@ def _contact_rules(m) -> list:
         both_positive = ((s1[:, 0] > 0.0) & (s2[:, 0] > 0.0))[:, None]  # (else direct mode: the smaller)
         solref = jnp.where(both_positive, mix * s1 + (1.0 - mix) * s2, jnp.minimum(s1, s2))
         solimp = mix * geom("geom_solimp", g1) + (1.0 - mix) * geom("geom_solimp", g2)
-        computed = {"contact_dist_out": dist, "contact_pos_out": pos, "contact_frame_out": frame,
-                    "contact_friction_out": friction, "contact_solref_out": solref, "contact_solimp_out": solimp,
-                    "contact_includemargin_out": geom("geom_margin", g1) + geom("geom_margin", g2)}
+        computed.update(contact_friction_out=friction, contact_solref_out=solref, contact_solimp_out=solimp,
+                        contact_includemargin_out=geom("geom_margin", g1) + geom("geom_margin", g2))
         out = {}
         for name in contact_floats:  # (the rest: functions of model constants, as the launch wrote them)
             value = computed.get(name, after[name])
