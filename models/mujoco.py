@@ -1003,16 +1003,17 @@ def _contact_rules(m) -> list:
         geoms = [(xpos[world, g], xmat[world, g], geom("geom_size", g)) for g in (g1, g2)]
         cid = after["contact_geomcollisionid_out"]
         kind = jnp.asarray(geom_type)[g1] * ntypes + jnp.asarray(geom_type)[g2]
-        computed = {}
-        # the pairs the model has, and only those (each pair's JAX runs on every slot), selected per slot by kind
+        # the pairs the model has, and only those (each pair's JAX runs on every slot), selected per slot by kind; a
+        # written slot of any other kind (none, by mujoco_warp's pair counts) would be NaN, never another pair's
+        nan = jnp.asarray(jnp.nan, xpos.dtype)
+        computed = {name: jnp.full(after[name].shape, nan)
+                    for name in ("contact_dist_out", "contact_pos_out", "contact_frame_out")}
         for pair in present:
             dist, pos, frame = _PAIR_CONTACTS[ruled[pair]](*geoms[0], *geoms[1], cid)
-            if computed:
-                case = kind == pair[0] * ntypes + pair[1]
-                dist = jnp.where(case, dist, computed["contact_dist_out"])
-                pos = jnp.where(case[:, None], pos, computed["contact_pos_out"])
-                frame = jnp.where(case[:, None, None], frame, computed["contact_frame_out"])
-            computed.update(contact_dist_out=dist, contact_pos_out=pos, contact_frame_out=frame)
+            case = kind == pair[0] * ntypes + pair[1]
+            computed.update(contact_dist_out=jnp.where(case, dist, computed["contact_dist_out"]),
+                            contact_pos_out=jnp.where(case[:, None], pos, computed["contact_pos_out"]),
+                            contact_frame_out=jnp.where(case[:, None, None], frame, computed["contact_frame_out"]))
         f1, f2 = geom("geom_friction", g1), geom("geom_friction", g2)
         q1, q2 = jnp.asarray(geom_priority)[g1][:, None], jnp.asarray(geom_priority)[g2][:, None]
         mixed = jnp.where(q1 > q2, f1, jnp.where(q2 > q1, f2, jnp.maximum(f1, f2)))
