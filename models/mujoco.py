@@ -34,7 +34,7 @@ kernels through their adjoints (those mujoco_warp builds with ``enable_backward=
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
 cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, and capsule-capsule (capsule-box,
-box-box, meshes and convex pairs are refused), a sparse constraint Jacobian. Elliptic friction cones
+box-box, meshes and convex pairs are refused), a sparse constraint Jacobian, spatial tendons. Elliptic friction cones
 differentiate (the contact rows by a rule, the solver's rule with the cone's force). See
 ``docs/mujoco.md``.
 
@@ -226,7 +226,7 @@ def _stage_rules(m) -> list:
                                  if elliptic else {"contact.friction": d.contact.friction})},
     )
     return [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-            *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
+            _tendon_armature_rule(m), _tendon_dot_rule(m), *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
             *([_elliptic_rows_rule(m)] if elliptic else [])]
 
 
@@ -570,6 +570,81 @@ def _applied_force_rule(m):
         support, "_apply_ft", rule, per_launch=True, reads=reads,
         writes=lambda qfrc_out, **_: {"qfrc_out": qfrc_out},
         ignores=lambda qfrc_out, flg_add, **_: {} if flg_add else {"qfrc_out": qfrc_out},  # (overwritten)
+    )
+
+
+def _tendon_armature_rule(m):
+    """``smooth._tendon_armature`` by a rule: it adds each tendon's armature ``a_t`` (its own plus its actuators'
+    armature times gear squared) times ``J_t' J_t`` to the inertia, entry by entry along each dof's ancestors, in a
+    while loop that walks the tendon's sparse Jacobian row (refused: Warp's adjoint does not run it again), and
+    skips an entry whose Jacobian element is exactly 0 (whose derivative is not 0). Rule: the same sums, every
+    entry of the row's sparsity, each inertia entry ``M[madr] += a_t J_ti J_tj`` as one scatter-add over the model's
+    fixed list of (tendon, i, j, madr).
+    """
+    import numpy as np
+    from mujoco_warp._src import smooth, types
+
+    rownnz, rowadr, colind, parent, m_rowadr, m_rownnz, tendon_actuator, trntype, trnid = (
+        np.asarray(a.numpy()) for a in (m.ten_J_rownnz, m.ten_J_rowadr, m.ten_J_colind, m.dof_parentid, m.M_rowadr,
+                                        m.M_rownnz, m.tendon_actuatorid, m.actuator_trntype, m.actuator_trnid))
+    terms = []  # (tendon, sparse index of J_ti, of J_tj, inertia entry (i, j)), j = i and each ancestor of i
+    for t in range(m.ntendon):
+        column = {int(colind[rowadr[t] + k]): int(rowadr[t] + k) for k in range(rownnz[t])}
+        for i, at_i in column.items():
+            entry, j = m_rowadr[i] + m_rownnz[i] - 1, i
+            while j >= 0:
+                if j in column:
+                    terms.append((t, at_i, column[j], entry))
+                entry, j = entry - 1, parent[j]
+    tendon, at_i, at_j, entry = (np.asarray(c, np.int32) for c in zip(*terms)) if terms else [np.zeros(0, np.int32)] * 4
+    # the actuators whose armature each tendon adds (util_misc.actuator_target_armature): one, or every one on it
+    on_tendon = np.zeros((m.ntendon, len(trntype)), bool)
+    for t, k in enumerate(tendon_actuator):
+        if k >= 0:
+            on_tendon[t, k] = True
+        elif k < -1:
+            on_tendon[t] = (trnid[:, 0] == t) & (trntype == int(types.TrnType.TENDON))
+
+    def rule(before, after):
+        J, M = before["ten_J_in"], before["M_out"]
+        nworld = J.shape[0]
+        gear = _per_world(before["actuator_gear"], nworld)[..., 0]
+        actuators = _per_world(before["actuator_armature"], nworld) * gear * gear
+        armature = _per_world(before["tendon_armature"], nworld) + actuators @ jnp.asarray(on_tendon.T, M.dtype)
+        return {"M_out": M.at[:, entry].add(armature[:, tendon] * J[:, at_i] * J[:, at_j])}
+
+    return warpnn.StageRule(
+        smooth, "_tendon_armature", rule, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in ("tendon_armature", "actuator_armature", "actuator_gear", "ten_J_in",
+                                              "M_out")},
+        writes=lambda M_out, **_: {"M_out": M_out},
+    )
+
+
+def _tendon_dot_rule(m):
+    """``smooth._tendon_dot`` (the time derivative of a spatial tendon's Jacobian, for its armature's bias force) by
+    a rule where every tendon is fixed: its threads leave before writing where a tendon has no armature or is fixed
+    (a fixed tendon's Jacobian is constant), so the launch writes nothing; but where a tendon's armature is a
+    parameter the launch-time proof of that (``warpnn._idle``) stops at the armature's test, and the kernel's while
+    loop is refused. Rule: ``ten_Jdot`` as it was. A spatial tendon makes the rule refuse."""
+    import numpy as np
+    from mujoco_warp._src import smooth, types
+
+    spatial = [t for t, kind in enumerate(np.asarray(m.tendon_type.numpy())) if kind != int(types.TendonType.FIXED)]
+
+    def rule(before, after):
+        if spatial:
+            raise NotImplementedError(f"the rule covers fixed tendons; tendons {spatial} are spatial")
+        return {"ten_Jdot_out": before["ten_Jdot_out"]}
+
+    return warpnn.StageRule(
+        smooth, "_tendon_dot", rule, per_launch=True,
+        reads=lambda ten_Jdot_out, **_: {"ten_Jdot_out": ten_Jdot_out},
+        writes=lambda ten_Jdot_out, **_: {"ten_Jdot_out": ten_Jdot_out},
+        # (what a spatial tendon's Jacobian derivative would read; a fixed tendon's reads none of it)
+        ignores=lambda **a: {n: a[n] for n in ("tendon_armature", "wrap_prm", "actuator_armature", "actuator_gear",
+                                                "site_xpos_in", "subtree_com_in", "cdof_in", "cvel_in",
+                                                "cdof_dot_in")},
     )
 
 
