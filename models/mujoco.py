@@ -864,17 +864,21 @@ def _segment_weights(a, b, c, d, pair):
 # branch of the Warp function is computed and selected by its condition, divisions guarded, so that the branches
 # not taken leave no NaN in the derivative.
 
+def _plane_sphere_point(normal, plane_pos, centre, radius):
+    """mujoco_warp's ``plane_sphere``: a sphere's distance from a plane and the contact point midway."""
+    dist = jnp.sum((centre - plane_pos) * normal, -1) - radius
+    return dist, centre - normal * (radius + 0.5 * dist)[:, None]
+
+
 def _plane_sphere(plane_pos, plane_rot, _, pos, __, size, ___):
     normal = plane_rot[:, :, 2]
-    dist = jnp.sum((pos - plane_pos) * normal, -1) - size[:, 0]
-    return dist, pos - normal * (size[:, 0] + 0.5 * dist)[:, None], _make_frame(normal)
+    return *_plane_sphere_point(normal, plane_pos, pos, size[:, 0]), _make_frame(normal)
 
 
 def _plane_capsule(plane_pos, plane_rot, _, pos, rot, size, cid):
     normal, axis = plane_rot[:, :, 2], rot[:, :, 2]
     end = pos + jnp.where(cid == 0, 1.0, -1.0)[:, None] * axis * size[:, 1:2]  # contact 0 at +axis
-    dist = jnp.sum((end - plane_pos) * normal, -1) - size[:, 0]
-    return dist, end - normal * (size[:, 0] + 0.5 * dist)[:, None], _plane_capsule_frame(normal, axis)
+    return *_plane_sphere_point(normal, plane_pos, end, size[:, 0]), _plane_capsule_frame(normal, axis)
 
 
 def _plane_ellipsoid(plane_pos, plane_rot, _, pos, rot, size, __):
@@ -944,8 +948,7 @@ def _sphere_cylinder(pos1, _, size1, pos2, rot2, size2, __):
     side, cap = side & ~(cap & cap_nearer), cap & ~(side & ~cap_nearer)
     side_dist, side_pos, side_normal = _sphere_sphere(pos1, size1[:, 0], pos2 + axis * x[:, None], radius)
     up = jnp.where(x > 0, 1.0, -1.0)[:, None] * axis  # (the cap's outward normal)
-    cap_dist = jnp.sum((pos1 - pos2 - up * half[:, None]) * up, -1) - size1[:, 0]
-    cap_pos = pos1 - up * (size1[:, 0] + 0.5 * cap_dist)[:, None]
+    cap_dist, cap_pos = _plane_sphere_point(up, pos2 + up * half[:, None], pos1, size1[:, 0])
     scale = _safe_divide(radius, jnp.sqrt(jnp.where(squared > 0, squared, 1.0)), squared > 0)  # (0: on the axis)
     rim = pos2 + jnp.where(x < 0, -1.0, 1.0)[:, None] * axis * half[:, None] + out * scale[:, None]
     rim_dist, rim_pos, rim_normal = _sphere_sphere(pos1, size1[:, 0], rim, jnp.zeros_like(radius))
