@@ -33,8 +33,8 @@ a zero coefficient), the position update (its quaternion integration, right at z
 kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
-cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, and capsule-capsule (capsule-box,
-box-box, meshes and convex pairs are refused), a sparse constraint Jacobian, spatial tendons. Elliptic friction cones
+cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, a capsule's with capsules and
+boxes (box-box, meshes and convex pairs are refused), a sparse constraint Jacobian, spatial tendons. Elliptic friction cones
 differentiate (the contact rows by a rule, the solver's rule with the cone's force). See
 ``docs/mujoco.md``.
 
@@ -990,10 +990,125 @@ def _capsule_capsule(pos1, rot1, size1, pos2, rot2, size2, cid):
     return dist, pos, _make_frame(normal)
 
 
+def _mj_safe_div(x, y):
+    """mujoco_warp's ``math.safe_div``: ``x / y``, dividing by ``MJ_MINVAL`` where ``y`` is 0."""
+    from mujoco_warp._src.types import MJ_MINVAL
+
+    return x / jnp.where(y != 0.0, y, MJ_MINVAL)
+
+
+def _capsule_box_segment(p, axis, half, size):
+    """Where ``capsule_box`` puts its spheres along the capsule (in the box's frame: centre ``p``, unit axis
+    ``axis``, half length ``half``; the box's half-extents ``size``): the first sphere at ``p + h * first``, the second at ``p + h * (first + second)`` where
+    ``second > -3`` (else there is none), and whether there is any contact (``cltype != -4``). The kernel's
+    searches as it runs them: its two capsule ends against the box's faces, then its twelve edges in order, each
+    replacing the best only if strictly nearer; then the second point by the configuration found (a corner, an
+    edge or a face nearest)."""
+    from mujoco_warp._src.types import MJ_MINVAL
+
+    i32 = jnp.int32
+    count, dtype = p.shape[0], p.dtype
+    h = axis * half[:, None]
+    axisdir = sum((h[:, k] > 0).astype(i32) << k for k in range(3))
+    best = jnp.full(count, 1.0e32, dtype)
+    first, box_at = jnp.full(count, -12.0, dtype), jnp.zeros(count, dtype)
+    cltype, clface = jnp.full(count, -4, i32), jnp.full(count, -12, i32)
+    clcorner, cledge = jnp.full(count, -123, i32), jnp.full(count, -123, i32)
+    for end in (-1, 1):  # a capsule end nearest a face: its tip clamped into the box, past at most one face
+        tip = p + end * h
+        past = (tip < -size) | (tip > size)
+        dist = jnp.sum((jnp.clip(tip, -size, size) - tip) ** 2, -1)
+        better = (jnp.sum(past, -1) <= 1) & (dist < best)
+        best, first = jnp.where(better, dist, best), jnp.where(better, float(end), first)
+        cltype = jnp.where(better, -2 + end, cltype)
+        clface = jnp.where(better, jnp.max(jnp.where(past, jnp.arange(3), -1), -1), clface)
+    for corner in range(8):  # the edge from each corner along each axis the corner's bits leave 0
+        for j in range(3):
+            if corner & (1 << j):
+                continue
+            signs = jnp.array([1.0 if corner & (1 << k) else -1.0 for k in range(3)], dtype)
+            dif = (signs * size).at[:, j].set(0.0) - p
+            u, v = -size[:, j] * dif[:, j], jnp.sum(h * dif, -1)
+            ma, mb, mc = size[:, j] ** 2, -size[:, j] * h[:, j], half**2
+            det = ma * mc - mb * mb
+            solvable = jnp.abs(det) >= MJ_MINVAL
+            x1, x2 = _safe_divide(mc * u - mb * v, det, solvable), _safe_divide(ma * v - mb * u, det, solvable)
+            high, low = x1 > 1, x1 < -1
+            s1 = jnp.where(high, 2, jnp.where(low, 0, 1))
+            x2 = jnp.where(high, _mj_safe_div(v - mb, mc), jnp.where(low, _mj_safe_div(v + mb, mc), x2))
+            x1 = jnp.clip(x1, -1.0, 1.0)
+            high, low = x2 > 1, x2 < -1
+            s2 = jnp.where(high, 2, jnp.where(low, 0, 1))
+            x1 = jnp.where(high, _mj_safe_div(u - mb, ma), jnp.where(low, _mj_safe_div(u + mb, ma), x1))
+            s1 = jnp.where(high | low, jnp.where(x1 > 1, 2, jnp.where(x1 < -1, 0, s1)), s1)
+            x1, x2 = jnp.where(high | low, jnp.clip(x1, -1.0, 1.0), x1), jnp.clip(x2, -1.0, 1.0)
+            dif = (dif - h * x2[:, None]).at[:, j].add(size[:, j] * x1)
+            kind = s1 * 3 + s2
+            dist = jnp.sum(dif * dif, -1)
+            better = solvable & (dist < best - MJ_MINVAL)
+            best, first, box_at = (jnp.where(better, a, b) for a, b in ((dist, best), (x2, first), (x1, box_at)))
+            clcorner = jnp.where(better, corner + (1 << j) * (kind // 6), clcorner)
+            cledge, cltype = jnp.where(better, j, cledge), jnp.where(better, kind, cltype)
+
+    def at(x, k):  # x[slot, k[slot]]
+        return jnp.take_along_axis(x, jnp.clip(k, 0, 2)[:, None], -1)[:, 0]
+
+    def room(k):  # safe_div(size[k], |h[k]|)
+        return _mj_safe_div(at(size, k), jnp.abs(at(h, k)))
+
+    # a corner nearest: a second point unless the capsule points along the corner's diagonal
+    c1 = axisdir ^ clcorner
+    single = (c1 == 1) | (c1 == 2) | (c1 == 4)
+    mul = jnp.where(single, 1.0, -1.0)
+    ax = jnp.where(single, c1, 7 - c1)
+    ax = jnp.where(ax == 1, 0, jnp.where(ax == 2, 1, 2))
+    on_corner = jnp.where(at(axis, ax) ** 2 > 0.5,
+                          jnp.minimum(1.0 - mul * first, 2.0 * room(ax)),
+                          -jnp.minimum(1.0 + mul * first, 2.0 * jnp.minimum(room((ax + 1) % 3), room((ax + 2) % 3))))
+    on_corner = jnp.where((c1 != 0) & (c1 != 7), on_corner * mul, -4.0)
+    # an edge nearest: a second point in the X configuration
+    edge = jnp.clip(cledge, 0, 2)
+    c1 = (axisdir ^ clcorner) & (7 - (1 << edge))
+    ax1, ax2 = (edge + 1) % 3, (edge + 2) % 3
+    ax1 = jnp.where(jnp.abs(at(axis, ax1)) > jnp.abs(at(axis, ax2)), ax2, ax1)
+    ax2 = 3 - edge - ax1
+    towards = (c1 & (1 << ax2)) != 0
+    mul = jnp.where(towards, 1.0, -1.0)
+    on_edge = jnp.minimum(2.0 * room(ax2), jnp.where(towards, 1.0 - first, 1.0 + first))
+    along = jnp.where(((axisdir & (1 << edge)) != 0) == towards, 1.0 - box_at, 1.0 + box_at)
+    on_edge = jnp.minimum(at(size, edge) * _mj_safe_div(along, jnp.abs(at(h, edge))), on_edge)
+    on_edge = jnp.where((c1 == 1) | (c1 == 2) | (c1 == 4), on_edge * mul, -4.0)
+    # a face nearest: the farthest point of the capsule still over the box
+    mul = jnp.where(cltype == -3, 1.0, -1.0)
+    far = p - h * mul[:, None]
+    on_face = jnp.full(count, 2.0, dtype)
+    for k in range(3):
+        for bound in (size[:, k], -size[:, k]):
+            e1 = (bound - far[:, k]) * _mj_safe_div(mul, h[:, k])
+            on_face = jnp.where((clface != k) & (0 < e1) & (e1 < on_face), e1, on_face)
+    on_face = jnp.where(clface != -1, on_face * mul, -4.0)
+    second = jnp.where(cltype >= 0, jnp.where(cltype // 3 != 1, on_corner, on_edge), on_face)
+    return first, second, cltype != -4
+
+
+def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid):
+    """Two spheres of the capsule's radius on its axis, each against the box as ``sphere_box`` (``cid`` 1: the
+    second, where ``capsule_box`` makes one). A contact the kernel does not make has distance ``MJ_MAXVAL``."""
+    from mujoco_warp._src.types import MJ_MAXVAL
+
+    p, axis = _matvec_transposed(rot2, pos1 - pos2), _matvec_transposed(rot2, rot1[:, :, 2])
+    first, second, any_contact = _capsule_box_segment(p, axis, size1[:, 1], size2)
+    h = axis * size1[:, 1:2]
+    twice = cid == 1
+    centre = pos2 + _matvec(rot2, p + h * (first + jnp.where(twice, second, 0.0))[:, None])
+    dist, pos, frame = _sphere_box(centre, None, size1, pos2, rot2, size2, cid)
+    return jnp.where(any_contact & ~(twice & (second <= -3)), dist, MJ_MAXVAL), pos, frame
+
+
 _PAIR_CONTACTS = {"plane-sphere": _plane_sphere, "plane-capsule": _plane_capsule, "plane-ellipsoid": _plane_ellipsoid,
                   "plane-cylinder": _plane_cylinder, "plane-box": _plane_box, "sphere-sphere": _sphere_sphere_contact,
                   "sphere-capsule": _sphere_capsule, "sphere-cylinder": _sphere_cylinder, "sphere-box": _sphere_box,
-                  "capsule-capsule": _capsule_capsule}
+                  "capsule-capsule": _capsule_capsule, "capsule-box": _capsule_box}
 
 
 # Up to this many subtree roots among the bodies contacts touch, the contact Jacobian rule takes each row's root's
@@ -1024,7 +1139,7 @@ def _contact_rules(m) -> list:
       ``geom_size``) for the pair and the collision id the launch left in each written slot (the box's corner, the
       capsule's end, the second pair of parallel capsules), as mujoco_warp's collision functions compute them
       (``_PAIR_CONTACTS``: a plane against spheres, capsules, ellipsoids, cylinders and boxes, a sphere against
-      spheres, capsules, cylinders and boxes, capsule-capsule), only for the pairs the model has; friction,
+      spheres, capsules, cylinders and boxes, a capsule against capsules and boxes), only for the pairs the model has; friction,
       ``solref``, ``solimp`` and the margin from ``geom_friction``, ``geom_solref``, ``geom_solimp``,
       ``geom_solmix`` and ``geom_margin`` as ``collision_core.contact_material_params`` mixes them (contact
       stiffness, damping, impedance and margins differentiate); the gap only decides which contacts are made.

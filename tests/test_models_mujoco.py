@@ -898,17 +898,16 @@ def test_float_equality_branches_left_to_warps_adjoint_are_listed(tree):
 
 
 def test_contacts_the_rules_do_not_cover_are_refused_naming_the_stage():
-    """A capsule on a box: the narrowphase rule computes the contacts of planes, spheres, capsules, ellipsoids,
-    cylinders and boxes listed in ``_PAIR_CONTACTS``, not capsule-box; this pair makes it refuse, and reverse mode
+    """A box on a box: the narrowphase rule computes the contacts of planes, spheres, capsules, ellipsoids,
+    cylinders and boxes listed in ``_PAIR_CONTACTS``, not box-box; this pair makes it refuse, and reverse mode
     through the step is refused naming the stage, never zeros."""
-    capsule_on_box = BOX.replace('<geom type="plane" size="2 2 0.1"/>', '<geom type="box" size="1 1 0.1"/>').replace(
-        'type="box" size="0.1 0.1 0.1"', 'type="capsule" size="0.05 0.1"')
-    mjm, mjd = start(capsule_on_box)
+    box_on_box = BOX.replace('<geom type="plane" size="2 2 0.1"/>', '<geom type="box" size="1 1 0.1"/>')
+    mjm, mjd = start(box_on_box)
     step = MujocoStep(mjm, mjd)
     refusals = step.reverse_refusals()
     why = refusals["mujoco_warp._src.collision_primitive._primitive_narrowphase"]
-    assert why.startswith("collision_primitive: its rule raised NotImplementedError") and "capsule-box" in why
-    with pytest.raises(TypeError, match="_primitive_narrowphase.*capsule-box"):
+    assert why.startswith("collision_primitive: its rule raised NotImplementedError") and "box-box" in why
+    with pytest.raises(TypeError, match="_primitive_narrowphase.*box-box"):
         jax.grad(lambda q: jnp.sum(rollout(step, {**step.initial_state(), "qvel": q}, num_steps=2)[0]["qpos"]))(
             step.initial_state()["qvel"])
 
@@ -959,14 +958,19 @@ def _mujoco_warps_contact(pair: int, pos1: wp.array(dtype=wp.vec3), rot1: wp.arr
         dc, pc, nc = mjw_core.capsule_capsule(p1, axis1, s1[0], s1[1], p2, axis, s2[0], s2[1])
         d, p = dc[k], wp.vec3(pc[k, 0], pc[k, 1], pc[k, 2])
         f = mjw_math.make_frame(wp.vec3(nc[k, 0], nc[k, 1], nc[k, 2]))
+    elif pair == 10:  # capsule-box
+        axis1 = wp.vec3(r1[0, 2], r1[1, 2], r1[2, 2])
+        db, pb, nb = mjw_core.capsule_box(p1, axis1, s1[0], s1[1], p2, r2, s2)
+        d, p = db[k], wp.vec3(pb[k, 0], pb[k, 1], pb[k, 2])
+        f = mjw_math.make_frame(wp.vec3(nb[k, 0], nb[k, 1], nb[k, 2]))
     dist[i] = d
     pos[i] = p
     frame[i] = f
 
 
 PAIRS = ("plane-sphere", "plane-capsule", "plane-ellipsoid", "plane-cylinder", "plane-box", "sphere-sphere",
-         "sphere-capsule", "sphere-cylinder", "sphere-box", "capsule-capsule")
-CONTACTS_PER_PAIR = {"plane-capsule": 2, "plane-cylinder": 4, "plane-box": 8, "capsule-capsule": 2}
+         "sphere-capsule", "sphere-cylinder", "sphere-box", "capsule-capsule", "capsule-box")
+CONTACTS_PER_PAIR = {"plane-capsule": 2, "plane-cylinder": 4, "plane-box": 8, "capsule-capsule": 2, "capsule-box": 2}
 
 
 def random_geom_pairs(pair, count, rng):
@@ -1004,13 +1008,28 @@ def test_each_pairs_contacts_equal_mujoco_warps_and_differentiate(pair):
         np.testing.assert_allclose(np.asarray(value)[made], expected.numpy()[made], rtol=1e-4, atol=2e-5)
 
     with jax.enable_x64(True):
-        floats = [jnp.asarray(a[:8], jnp.float64) for a in geoms[:6]]
+        pos1, rot1, size1, pos2, rot2, size2 = (jnp.asarray(a[:8], jnp.float64) for a in geoms[:6])
 
-        def contact(*floats):
-            dist, pos, frame = _PAIR_CONTACTS[pair](*floats, jnp.asarray(geoms[6][:8]))
+        def contact(pos1, turn1, size1, pos2, turn2, size2):
+            # (orientations vary as rotations, as the step's do: capsule-box puts a second contact exactly on a face
+            # plane, which a matrix that is not a rotation moves off, a kink no step reaches)
+            dist, pos, frame = _PAIR_CONTACTS[pair](pos1, _turned(rot1, turn1), size1, pos2, _turned(rot2, turn2),
+                                                    size2, jnp.asarray(geoms[6][:8]))
             return jnp.concatenate([dist, pos.ravel(), frame.ravel()]) @ jnp.linspace(-1.0, 1.0, 8 * 13)
 
-        jax.test_util.check_grads(contact, floats, order=1, modes=["rev"], eps=1e-6)
+        turn = jnp.zeros((8, 3), jnp.float64)
+        jax.test_util.check_grads(contact, (pos1, turn, size1, pos2, turn, size2), order=1, modes=["rev"], eps=1e-6)
+
+
+def _turned(rot, w):
+    """``rot`` turned by the rotation the Cayley transform makes of ``w``: a rotation for every ``w``, ``rot`` at 0,
+    turning about ``w`` by about ``|w|`` near 0."""
+    x, y, z = w[:, 0], w[:, 1], w[:, 2]
+    zero = jnp.zeros_like(x)
+    half_skew = 0.5 * jnp.stack([jnp.stack([zero, -z, y], -1), jnp.stack([z, zero, -x], -1),
+                                 jnp.stack([-y, x, zero], -1)], -2)
+    eye = jnp.eye(3, dtype=w.dtype)
+    return rot @ jnp.linalg.solve(eye - half_skew, eye + half_skew)
 
 
 # Three free capsules and a ball piled on a plane: two capsules lying side by side (parallel: two contacts between
@@ -1066,8 +1085,9 @@ def test_capsule_contacts_differentiate(capsules, steps):
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3 * np.abs(expected).max())
 
 
-# An ellipsoid and a cylinder (on its side) on a plane, a ball on a box, one on a cylinder's cap and one against its
-# side: the pairs plane-ellipsoid, plane-cylinder, sphere-box and sphere-cylinder (and plane-sphere), each only
+# An ellipsoid and a cylinder (on its side) on a plane, a ball and a capsule on a box, a ball on a cylinder's cap and
+# one against its side: the pairs plane-ellipsoid, plane-cylinder, sphere-box, capsule-box (its two contacts, one at
+# each end) and sphere-cylinder (and plane-sphere), each only
 # where it is named (contype / conaffinity: the free geoms' other pairs would be convex collisions, refused).
 SHAPES = """
 <mujoco model="shapes">
@@ -1085,6 +1105,8 @@ SHAPES = """
     <body pos="-0.5 0.01 0.25"><freejoint/>
       <geom type="sphere" size="0.04" mass="0.5" contype="4" conaffinity="0"/></body>
     <body pos="-0.41 0 0.05"><freejoint/><geom type="sphere" size="0.04" mass="0.5" contype="5" conaffinity="0"/></body>
+    <body pos="0.97 -0.06 0.24" euler="0 80 0"><freejoint/>
+      <geom type="capsule" size="0.03 0.05" mass="0.3" contype="2" conaffinity="0"/></body>
   </worldbody>
 </mujoco>
 """
@@ -1092,13 +1114,14 @@ SHAPES = """
 
 @pytest.fixture(scope="module")
 def shapes():
-    """SHAPES settled (200 mj_steps), traced from there with the contact parameters."""
+    """SHAPES settled (200 mj_steps), traced from there with the contact parameters (and a dense constraint
+    Jacobian: with 36 dofs mujoco_warp's default would be sparse, which the solver's rule refuses)."""
     mjm = mujoco.MjModel.from_xml_string(SHAPES)
     mjd = mujoco.MjData(mjm)
     for _ in range(200):
         mujoco.mj_step(mjm, mjd)
     with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=CONTACT_PARAMS)
+        step = MujocoStep(mjm, mjd, param_fields=CONTACT_PARAMS, sparse_jacobian=False)
     return step, mjm, mjd
 
 
@@ -1106,12 +1129,12 @@ def shapes():
 def test_ellipsoid_cylinder_and_box_contacts_differentiate(shapes, steps):
     """The narrowphase rule's other pairs in one scene, settled and then set moving: jax.grad through 1 and 10 steps
     w.r.t. the initial velocities and the contact parameters against central differences of mj_step (measured
-    <= 3.8e-5 relative through 1 step, 6.2e-5 through 10, CPU)."""
+    <= 4.0e-5 relative through 1 step, 6.0e-4 through 10, CPU)."""
     step, mjm, mjd = shapes
     pairs = {(int(mjm.geom_type[c.geom1]), int(mjm.geom_type[c.geom2])) for c in mjd.contact[:mjd.ncon]}
     g = mjw_types.GeomType
     assert pairs == {(g.PLANE, g.SPHERE), (g.PLANE, g.ELLIPSOID), (g.PLANE, g.CYLINDER), (g.SPHERE, g.CYLINDER),
-                     (g.SPHERE, g.BOX)}
+                     (g.SPHERE, g.BOX), (g.CAPSULE, g.BOX)}
     assert step.reverse_refusals() == {}
     mjd = copy.copy(mjd)
     mjd.qvel[:] = np.random.default_rng(0).normal(size=mjm.nv) * 0.1
