@@ -34,7 +34,8 @@ kernels through their adjoints (those mujoco_warp builds with ``enable_backward=
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
 cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, a capsule's with capsules and
-boxes (box-box, meshes and convex pairs are refused), a sparse constraint Jacobian, spatial tendons. Elliptic friction cones
+boxes, two boxes (with ``nativeccd`` disabled: else mujoco_warp collides them by GJK/EPA; meshes and convex pairs
+are refused), a sparse constraint Jacobian, spatial tendons. Elliptic friction cones
 differentiate (the contact rows by a rule, the solver's rule with the cone's force). See
 ``docs/mujoco.md``.
 
@@ -859,8 +860,9 @@ def _segment_weights(a, b, c, d, pair):
 
 
 # The primitive collisions of mujoco_warp's narrowphase (collision_primitive_core), in JAX, one function per geom
-# pair: each takes the two geoms' positions, orientations and sizes per contact slot and the collision id the launch
-# left in the slot (which of a pair's contacts it is), and gives the contact's distance, position and frame. Every
+# pair: each takes the two geoms' positions, orientations and sizes per contact slot, the collision id the launch
+# left in the slot (which of a pair's contacts it is) and the pair's acceptance band (margin + gap: which of a box
+# pair's clipped vertices are contacts), and gives the contact's distance, position and frame. Every
 # branch of the Warp function is computed and selected by its condition, divisions guarded, so that the branches
 # not taken leave no NaN in the derivative.
 
@@ -870,18 +872,18 @@ def _plane_sphere_point(normal, plane_pos, centre, radius):
     return dist, centre - normal * (radius + 0.5 * dist)[:, None]
 
 
-def _plane_sphere(plane_pos, plane_rot, _, pos, __, size, ___):
+def _plane_sphere(plane_pos, plane_rot, _, pos, __, size, ___, _band):
     normal = plane_rot[:, :, 2]
     return *_plane_sphere_point(normal, plane_pos, pos, size[:, 0]), _make_frame(normal)
 
 
-def _plane_capsule(plane_pos, plane_rot, _, pos, rot, size, cid):
+def _plane_capsule(plane_pos, plane_rot, _, pos, rot, size, cid, _band):
     normal, axis = plane_rot[:, :, 2], rot[:, :, 2]
     end = pos + jnp.where(cid == 0, 1.0, -1.0)[:, None] * axis * size[:, 1:2]  # contact 0 at +axis
     return *_plane_sphere_point(normal, plane_pos, end, size[:, 0]), _plane_capsule_frame(normal, axis)
 
 
-def _plane_ellipsoid(plane_pos, plane_rot, _, pos, rot, size, __):
+def _plane_ellipsoid(plane_pos, plane_rot, _, pos, rot, size, __, _band):
     normal = plane_rot[:, :, 2]
     scaled = _matvec_transposed(rot, normal) * size  # (the plane's normal in the ellipsoid's frame, scaled)
     length = _safe_norm(scaled)
@@ -890,7 +892,7 @@ def _plane_ellipsoid(plane_pos, plane_rot, _, pos, rot, size, __):
     return dist, deepest - normal * 0.5 * dist[:, None], _make_frame(normal)
 
 
-def _plane_cylinder(plane_pos, plane_rot, _, pos, rot, size, cid):
+def _plane_cylinder(plane_pos, plane_rot, _, pos, rot, size, cid, _band):
     """Four contacts: the rim's point nearest the plane on each cap (ids 0, 1), two more on the near cap (2, 3)."""
     normal, radius, half = plane_rot[:, :, 2], size[:, 0:1], size[:, 1:2]
     along = jnp.sum(normal * rot[:, :, 2], -1, keepdims=True)
@@ -915,7 +917,7 @@ def _plane_cylinder(plane_pos, plane_rot, _, pos, rot, size, cid):
     return dist[:, 0], point - normal * 0.5 * dist, _make_frame(normal)
 
 
-def _plane_box(plane_pos, plane_rot, _, pos, rot, size, cid):
+def _plane_box(plane_pos, plane_rot, _, pos, rot, size, cid, _band):
     """The corner the collision id names (bit k: + or - the half-size along the box's axis k)."""
     normal = plane_rot[:, :, 2]
     bits = (cid[:, None] >> jnp.arange(3)) & 1
@@ -924,19 +926,19 @@ def _plane_box(plane_pos, plane_rot, _, pos, rot, size, cid):
     return dist, corner + pos - 0.5 * normal * dist[:, None], _make_frame(normal)
 
 
-def _sphere_sphere_contact(pos1, _, size1, pos2, __, size2, ___):
+def _sphere_sphere_contact(pos1, _, size1, pos2, __, size2, ___, _band):
     dist, pos, normal = _sphere_sphere(pos1, size1[:, 0], pos2, size2[:, 0])
     return dist, pos, _make_frame(normal)
 
 
-def _sphere_capsule(pos1, _, size1, pos2, rot2, size2, __):
+def _sphere_capsule(pos1, _, size1, pos2, rot2, size2, __, _band):
     axis = rot2[:, :, 2]
     along = jnp.clip(jnp.sum(axis * (pos1 - pos2), -1, keepdims=True), -size2[:, 1:2], size2[:, 1:2])
     dist, pos, normal = _sphere_sphere(pos1, size1[:, 0], pos2 + axis * along, size2[:, 0])
     return dist, pos, _make_frame(normal)
 
 
-def _sphere_cylinder(pos1, _, size1, pos2, rot2, size2, __):
+def _sphere_cylinder(pos1, _, size1, pos2, rot2, size2, __, _band):
     """The cylinder's side, a cap or the rim, whichever the sphere's centre is nearest (as the kernel decides)."""
     axis, radius, half = rot2[:, :, 2], size2[:, 0], size2[:, 1]
     offset = pos1 - pos2
@@ -958,7 +960,7 @@ def _sphere_cylinder(pos1, _, size1, pos2, rot2, size2, __):
     return dist, pos, _make_frame(normal)
 
 
-def _sphere_box(pos1, _, size1, pos2, rot2, size2, __):
+def _sphere_box(pos1, _, size1, pos2, rot2, size2, __, _band):
     """Outside the box: towards its nearest point; inside: out through its nearest face."""
     from mujoco_warp._src.types import MJ_MINVAL
 
@@ -979,7 +981,7 @@ def _sphere_box(pos1, _, size1, pos2, rot2, size2, __):
     return dist, pos2 + _matvec(rot2, local_pos), _make_frame(normal)
 
 
-def _capsule_capsule(pos1, rot1, size1, pos2, rot2, size2, cid):
+def _capsule_capsule(pos1, rot1, size1, pos2, rot2, size2, cid, _band):
     """The closest points of the two axes (``cid`` 1: the second pair of parallel capsules)."""
     axis1, axis2 = rot1[:, :, 2], rot2[:, :, 2]
     half1, half2 = size1[:, 1:2], size2[:, 1:2]
@@ -1091,7 +1093,7 @@ def _capsule_box_segment(p, axis, half, size):
     return first, second, cltype != -4
 
 
-def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid):
+def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid, _band):
     """Two spheres of the capsule's radius on its axis, each against the box as ``sphere_box`` (``cid`` 1: the
     second, where ``capsule_box`` makes one). A contact the kernel does not make has distance ``MJ_MAXVAL``."""
     from mujoco_warp._src.types import MJ_MAXVAL
@@ -1101,15 +1103,206 @@ def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid):
     h = axis * size1[:, 1:2]
     twice = cid == 1
     centre = pos2 + _matvec(rot2, p + h * (first + jnp.where(twice, second, 0.0))[:, None])
-    dist, pos, frame = _sphere_box(centre, None, size1, pos2, rot2, size2, cid)
+    dist, pos, frame = _sphere_box(centre, None, size1, pos2, rot2, size2, cid, _band)
     return jnp.where(any_contact & ~(twice & (second <= -3)), dist, MJ_MAXVAL), pos, frame
+
+
+# mujoco_warp's tolerances for box-box (collision_primitive_core: MuJoCo's single-precision values)
+_BOXBOX_SEPEPS, _BOXBOX_PAREPS, _BOXBOX_SGNEPS, _BOXBOX_DUPEPS, _BOXBOX_EDGEBIAS = 1e-6, 1e-7, 1e-5, 1e-10, 1e-6
+
+
+def _box_box_axis(rot, pos21, pos12, size1, size2, septol):
+    """``box_box``'s separating-axis search: whether an axis separates the boxes by more than ``septol``; ``code`` (0-2 a face of box 1, 3-5 of box 2, ``6 + 3 i + j`` the
+    edges ``i`` of box 1 and ``j`` of box 2), in the kernel's order and with its tie rules and preference of a face
+    over an edge nearly parallel to it; and the edge axis (box 1's frame, unit) where an edge pair wins."""
+    from mujoco_warp._src.types import MJ_MAXVAL, MJ_MINVAL
+
+    count = rot.shape[0]
+    best, code = jnp.full(count, -MJ_MAXVAL, rot.dtype), jnp.full(count, -1, jnp.int32)
+    separated = jnp.zeros(count, bool)
+    for k in range(6):
+        if k < 3:
+            sep = jnp.abs(pos21[:, k]) - size1[:, k] - jnp.sum(jnp.abs(rot[:, k, :]) * size2, -1)
+        else:
+            sep = jnp.abs(pos12[:, k - 3]) - size2[:, k - 3] - jnp.sum(jnp.abs(rot[:, :, k - 3]) * size1, -1)
+        better = sep > best
+        best, code, separated = jnp.where(better, sep, best), jnp.where(better, k, code), separated | (sep > septol)
+    face_sep, face_code = best, code
+    for i in range(3):
+        i1, i2 = (i + 1) % 3, (i + 2) % 3
+        for j in range(3):
+            j1, j2 = (j + 1) % 3, (j + 2) % 3
+            ax1, ax2 = -rot[:, i2, j], rot[:, i1, j]
+            norm2 = ax1 * ax1 + ax2 * ax2
+            usable = norm2 >= _BOXBOX_PAREPS
+            inverse = jnp.where(usable, jax.lax.rsqrt(jnp.where(usable, norm2, 1.0)), 0.0)
+            ax1, ax2 = ax1 * inverse, ax2 * inverse
+            radius1 = size1[:, i1] * jnp.abs(ax1) + size1[:, i2] * jnp.abs(ax2)
+            radius2 = (size2[:, j1] * jnp.abs(ax1 * rot[:, i1, j1] + ax2 * rot[:, i2, j1])
+                       + size2[:, j2] * jnp.abs(ax1 * rot[:, i1, j2] + ax2 * rot[:, i2, j2]))
+            sep = jnp.abs(ax1 * pos21[:, i1] + ax2 * pos21[:, i2]) - radius1 - radius2
+            separated |= usable & (sep > septol)
+            better = usable & (sep - _BOXBOX_EDGEBIAS * jnp.abs(sep) > best) & (sep > face_sep)
+            best, code = jnp.where(better, sep, best), jnp.where(better, 6 + 3 * i + j, code)
+    edge_i, edge_j = jnp.clip(code - 6, 0, 8) // 3, jnp.clip(code - 6, 0, 8) % 3
+    i1, i2 = (edge_i + 1) % 3, (edge_i + 2) % 3
+    column = jnp.take_along_axis(rot, edge_j[:, None, None], 2)[:, :, 0]  # (box 2's edge axis in box 1's frame)
+    axis = (jax.nn.one_hot(i1, 3, dtype=rot.dtype) * -jnp.take_along_axis(column, i2[:, None], 1)
+            + jax.nn.one_hot(i2, 3, dtype=rot.dtype) * jnp.take_along_axis(column, i1[:, None], 1))
+    axis = axis / _safe_norm(axis + (code < 6)[:, None])  # (a face's code: any nonzero length, unused)
+    face_rot = jnp.take_along_axis(rot, jnp.clip(face_code - 3, 0, 2)[:, None, None], 2)[:, :, 0]
+    face_dot = jnp.where(face_code < 3, jnp.abs(jnp.take_along_axis(axis, jnp.clip(face_code, 0, 2)[:, None], 1)[:, 0]),
+                         jnp.abs(jnp.sum(axis * face_rot, -1)))
+    aliased = (code >= 6) & (face_dot > 0.99) & (best < face_sep + 0.05 * jnp.abs(face_sep) + MJ_MINVAL)
+    return separated, jnp.where(aliased, face_code, code), axis
+
+
+def _box_box_edges(rot, pos21, size1, size2, code, axis):
+    """``box_box``'s edge-edge contact: the witness points of the two supporting edges (both choices of a corner
+    the axis leaves ambiguous, the nearer pair kept), in box 1's frame."""
+    from mujoco_warp._src.types import MJ_MAXVAL, MJ_MINVAL
+
+    dtype = rot.dtype
+    edge_i, edge_j = jnp.clip(code - 6, 0, 8) // 3, jnp.clip(code - 6, 0, 8) % 3
+    i1, i2, j1, j2 = (edge_i + 1) % 3, (edge_i + 2) % 3, (edge_j + 1) % 3, (edge_j + 2) % 3
+    at = lambda x, k: jnp.take_along_axis(x, k[:, None], 1)[:, 0]  # noqa: E731
+    axis = jnp.where((jnp.sum(axis * pos21, -1) < 0.0)[:, None], -axis, axis)
+    a2 = _matvec_transposed(rot, axis)  # (the axis in box 2's frame)
+    amb1 = jnp.where(jnp.abs(at(axis, i1)) < _BOXBOX_SGNEPS, i1, jnp.where(jnp.abs(at(axis, i2)) < _BOXBOX_SGNEPS, i2, -1))
+    amb2 = jnp.where(jnp.abs(at(a2, j1)) < _BOXBOX_SGNEPS, j1, jnp.where(jnp.abs(at(a2, j2)) < _BOXBOX_SGNEPS, j2, -1))
+    d2 = jnp.take_along_axis(rot, edge_j[:, None, None], 2)[:, :, 0]
+    b = at(d2, edge_i)
+    denom = 1.0 - b * b
+    on_i, on_j = jax.nn.one_hot(edge_i, 3, dtype=dtype), jax.nn.one_hot(edge_j, 3, dtype=dtype)
+    best = jnp.full(rot.shape[0], MJ_MAXVAL, dtype)
+    w1 = w2 = jnp.zeros_like(axis)
+    for v1 in (0, 1):
+        for v2 in (0, 1):
+            flip1 = jax.nn.one_hot(amb1, 3, dtype=dtype) * float(v1)  # (one_hot of -1: no component)
+            flip2 = jax.nn.one_hot(amb2, 3, dtype=dtype) * float(v2)
+            c1 = jnp.where(axis >= 0.0, size1, -size1) * (1.0 - on_i) * (1.0 - 2.0 * flip1)
+            cc = jnp.where(a2 >= 0.0, -size2, size2) * (1.0 - on_j) * (1.0 - 2.0 * flip2)
+            c2 = _matvec(rot, cc) + pos21
+            e = c2 - c1
+            d1e, d2e = at(e, edge_i), jnp.sum(d2 * e, -1)
+            s = _safe_divide(d1e - b * d2e, denom, denom >= MJ_MINVAL)
+            half1, half2 = at(size1, edge_i), at(size2, edge_j)
+            s = jnp.clip(s, -half1, half1)
+            t = jnp.clip(b * s - d2e, -half2, half2)
+            s = jnp.clip(d1e + b * t, -half1, half1)
+            p1 = c1 * (1.0 - on_i) + on_i * s[:, None]
+            p2 = c2 + d2 * t[:, None]
+            gap2 = jnp.sum((p2 - p1) ** 2, -1)
+            better = ((v1 == 0) | (amb1 >= 0)) & ((v2 == 0) | (amb2 >= 0)) & (gap2 < best)
+            best = jnp.where(better, gap2, best)
+            w1, w2 = jnp.where(better[:, None], p1, w1), jnp.where(better[:, None], p2, w2)
+    return w1, w2, axis
+
+
+def _box_box_clip(count, poly, coord, sign, limit):
+    """``_box_box_clip``: the polygon's first ``count`` of 8 vertices clipped to ``sign * v[coord] <= limit``,
+    vertices emitted in the kernel's order (each inside one, then where an edge crosses), at most 8; an all-inside
+    polygon unchanged."""
+    index = jnp.arange(8)
+    valid = index < count[:, None]
+    d = sign * poly[:, :, coord] - limit[:, None]
+    inside = d <= 0.0
+    after = jnp.where(index + 1 >= count[:, None], 0, index + 1)  # (the first after the last; in range past it)
+    q, dq = jnp.take_along_axis(poly, after[:, :, None], 1), jnp.take_along_axis(d, after, 1)
+    crosses = valid & (((d < 0.0) & (dq > 0.0)) | ((d > 0.0) & (dq < 0.0)))
+    t = _safe_divide(d, d - dq, crosses)
+    candidates = jnp.stack([poly, poly + t[:, :, None] * (q - poly)], 2).reshape(poly.shape[0], 16, 3)
+    emitted = jnp.stack([valid & inside, crosses], 2).reshape(poly.shape[0], 16)
+    slot = jnp.cumsum(emitted, 1) - 1
+    emitted &= slot < 8
+    placed = jax.nn.one_hot(jnp.where(emitted, slot, -1), 8, dtype=poly.dtype)  # (candidate, vertex)
+    clipped = jnp.einsum("scv,scd->svd", placed, candidates)
+    unchanged = jnp.all(inside | ~valid, 1)
+    return jnp.where(unchanged, count, jnp.sum(emitted, 1)), jnp.where(unchanged[:, None, None], poly, clipped)
+
+
+def _box_box_faces(rot, pos21, pos12, rot1, pos1, rot2, pos2, size1, size2, code, cid, band):
+    """``box_box``'s face contact: the incident face clipped to the reference face's sides; contact ``cid`` is
+    the ``cid``-th clipped vertex within the band, near-duplicates dropped, as the kernel numbers them."""
+    from mujoco_warp._src.types import MJ_MAXVAL
+
+    count, dtype = rot.shape[0], rot.dtype
+    at = lambda x, k: jnp.take_along_axis(x, k[:, None], 1)[:, 0]  # noqa: E731
+    ref1 = code < 3
+    a = jnp.clip(jnp.where(ref1, code, code - 3), 0, 2)
+    sizeref, sizeinc = jnp.where(ref1[:, None], size1, size2), jnp.where(ref1[:, None], size2, size1)
+    posref, matref = jnp.where(ref1[:, None], pos1, pos2), jnp.where(ref1[:, None, None], rot1, rot2)
+    posoi = jnp.where(ref1[:, None], pos21, pos12)
+    rinc = jnp.where(ref1[:, None, None], rot, jnp.swapaxes(rot, 1, 2))
+    sgn = jnp.where(at(posoi, a) >= 0.0, 1.0, -1.0)
+    row = jnp.take_along_axis(rinc, a[:, None, None], 1)[:, 0, :]  # rinc[a, :]
+    binc = jnp.argmax(jnp.abs(row), -1)  # (the first of equals, as the kernel's strict comparison keeps)
+    tinc = jnp.where(sgn * at(row, binc) > 0.0, -1.0, 1.0)
+    ax, ay, bu, bv = (a + 1) % 3, (a + 2) % 3, (binc + 1) % 3, (binc + 2) % 3
+    coords = jnp.stack([ax, ay, a], 1)
+    gathered = lambda x: jnp.take_along_axis(x, coords, 1)  # noqa: E731  (x[coords[r]] per slot)
+    column = lambda k: jnp.take_along_axis(rinc, k[:, None, None], 2)[:, :, 0]  # noqa: E731  (rinc[:, k])
+    cx = gathered(posoi + (tinc * at(sizeinc, binc))[:, None] * column(binc))
+    du, dv = gathered(at(sizeinc, bu)[:, None] * column(bu)), gathered(at(sizeinc, bv)[:, None] * column(bv))
+    up = jnp.stack([jnp.ones_like(sgn), jnp.ones_like(sgn), sgn], 1)
+    cx = cx * up - jnp.stack([jnp.zeros_like(sgn), jnp.zeros_like(sgn), at(sizeref, a)], 1)
+    du, dv = du * up, dv * up
+    corners = [cx + su * du + sv * dv for su, sv in ((1.0, 1.0), (-1.0, 1.0), (-1.0, -1.0), (1.0, -1.0))]
+    poly = jnp.concatenate([jnp.stack(corners, 1), jnp.zeros((count, 4, 3), dtype)], 1)
+    n = jnp.full(count, 4, jnp.int32)
+    for coord, sign, limit in ((0, 1.0, at(sizeref, ax)), (0, -1.0, at(sizeref, ax)), (1, 1.0, at(sizeref, ay)),
+                               (1, -1.0, at(sizeref, ay))):
+        n, poly = _box_box_clip(n, poly, coord, sign, limit)
+    duplicate = _BOXBOX_DUPEPS * (at(sizeref, ax) ** 2 + at(sizeref, ay) ** 2)
+    accepted, naccept = jnp.zeros_like(poly), jnp.zeros(count, jnp.int32)
+    for k in range(8):
+        v = poly[:, k]
+        near = jnp.sum((accepted[:, :, :2] - v[:, None, :2]) ** 2, -1) < duplicate[:, None]
+        take = (k < n) & ~(v[:, 2] > band) & ~jnp.any(near & (jnp.arange(8) < naccept[:, None]), 1)
+        accepted = jnp.where((take[:, None] & (jnp.arange(8) == naccept[:, None]))[:, :, None], v[:, None], accepted)
+        naccept = naccept + take
+    v = jnp.take_along_axis(accepted, jnp.clip(cid, 0, 7)[:, None, None], 1)[:, 0]
+    on = lambda k: jax.nn.one_hot(k, 3, dtype=dtype)  # noqa: E731
+    local = (on(ax) * v[:, :1] + on(ay) * v[:, 1:2]
+             + on(a) * (sgn * (at(sizeref, a) + 0.5 * v[:, 2]))[:, None])
+    normal = jnp.where(ref1, sgn, -sgn)[:, None] * jnp.take_along_axis(matref, a[:, None, None], 2)[:, :, 0]
+    dist = jnp.where(cid < naccept, v[:, 2], MJ_MAXVAL)
+    return dist, _matvec(matref, local) + posref, normal
+
+
+def _box_box(pos1, rot1, size1, pos2, rot2, size2, cid, band):
+    """Two boxes (MuJoCo's ``mjc_BoxBox`` as mujoco_warp ports it): the separating axis of least penetration; on
+    an edge pair one contact midway between the edges' closest points, on a face the incident face's clipped
+    corners within the band (contact ``cid``: the kernel's ``cid``-th). A contact the kernel does not make (or a
+    pair it finds separated) has distance ``MJ_MAXVAL``."""
+    from mujoco_warp._src.types import MJ_MAXVAL
+
+    pos21, pos12 = _matvec_transposed(rot1, pos2 - pos1), _matvec_transposed(rot2, pos1 - pos2)
+    rot = jnp.einsum("sji,sjk->sik", rot1, rot2)  # (box 2's axes in box 1's frame: columns)
+    septol = band + _BOXBOX_SEPEPS * (jnp.sum(size1, -1) + jnp.sum(size2, -1))
+    separated, code, axis = _box_box_axis(rot, pos21, pos12, size1, size2, septol)
+    w1, w2, axis = _box_box_edges(rot, pos21, size1, size2, code, axis)
+    edge_dist = jnp.sum((w2 - w1) * axis, -1)
+    edge_dist = jnp.where((cid == 0) & (edge_dist <= septol), edge_dist, MJ_MAXVAL)
+    edge_pos, edge_normal = _matvec(rot1, 0.5 * (w1 + w2)) + pos1, _matvec(rot1, axis)
+    face_dist, face_pos, face_normal = _box_box_faces(rot, pos21, pos12, rot1, pos1, rot2, pos2, size1, size2, code,
+                                                      cid, band)
+    edge = code >= 6
+    return (jnp.where(separated, MJ_MAXVAL, jnp.where(edge, edge_dist, face_dist)), jnp.where(edge[:, None], edge_pos, face_pos),
+            _make_frame(jnp.where(edge[:, None], edge_normal, face_normal)))
 
 
 _PAIR_CONTACTS = {"plane-sphere": _plane_sphere, "plane-capsule": _plane_capsule, "plane-ellipsoid": _plane_ellipsoid,
                   "plane-cylinder": _plane_cylinder, "plane-box": _plane_box, "sphere-sphere": _sphere_sphere_contact,
                   "sphere-capsule": _sphere_capsule, "sphere-cylinder": _sphere_cylinder, "sphere-box": _sphere_box,
-                  "capsule-capsule": _capsule_capsule, "capsule-box": _capsule_box}
+                  "capsule-capsule": _capsule_capsule, "capsule-box": _capsule_box, "box-box": _box_box}
 
+
+# How closely the narrowphase rule's contact (distance, position, frame) must equal the one the launch wrote, relative
+# to its magnitude (at least 1), for the rule to differentiate it: float32 rounding stays under 1e-4 on mujoco_warp's
+# functions' random poses (5e-4 for a frame whose normal is the direction of a vector 1e-3 long); another branch
+# taken moves a contact by a geom's size or turns its frame.
+CONTACT_AGREEMENT = 1e-3
 
 # Up to this many subtree roots among the bodies contacts touch, the contact Jacobian rule takes each row's root's
 # centre of mass by a select per root; beyond, by a gather (one select per root over every row would cost more).
@@ -1139,11 +1332,13 @@ def _contact_rules(m) -> list:
       ``geom_size``) for the pair and the collision id the launch left in each written slot (the box's corner, the
       capsule's end, the second pair of parallel capsules), as mujoco_warp's collision functions compute them
       (``_PAIR_CONTACTS``: a plane against spheres, capsules, ellipsoids, cylinders and boxes, a sphere against
-      spheres, capsules, cylinders and boxes, a capsule against capsules and boxes), only for the pairs the model has; friction,
-      ``solref``, ``solimp`` and the margin from ``geom_friction``, ``geom_solref``, ``geom_solimp``,
-      ``geom_solmix`` and ``geom_margin`` as ``collision_core.contact_material_params`` mixes them (contact
-      stiffness, damping, impedance and margins differentiate); the gap only decides which contacts are made.
-      Other primitive pairs, or explicit ``<pair>`` contacts, make the rule refuse, naming them.
+      spheres, capsules, cylinders and boxes, a capsule against capsules and boxes, box-box), only for the pairs
+      the model has; friction, ``solref``, ``solimp`` and the margin from ``geom_friction``, ``geom_solref``,
+      ``geom_solimp``, ``geom_solmix`` and ``geom_margin`` as ``collision_core.contact_material_params`` mixes
+      them (contact stiffness, damping, impedance and margins differentiate); the margin and the gap also decide
+      which contacts are made (and which of two boxes' clipped corners), not differentiated. A contact the JAX
+      computes otherwise than the launch wrote it (beyond ``CONTACT_AGREEMENT``: another branch taken at a tie) has
+      a NaN derivative. Other primitive pairs, or explicit ``<pair>`` contacts, make the rule refuse, naming them.
     * ``constraint._efc_contact_jac_dense``: the contact rows of the dense constraint Jacobian (a tile kernel:
       ``wp.tile_reduce`` has no adjoint). Rule: each row from ``cdof``, ``subtree_com``, the contact's position,
       frame and friction (a pyramid's edges; an elliptic cone's rows along and about the frame's axes), and
@@ -1152,7 +1347,7 @@ def _contact_rules(m) -> list:
     The broadphase writes integers only (pair lists): no cotangent reaches it.
     """
     import numpy as np
-    from mujoco_warp._src import collision_primitive, constraint, types
+    from mujoco_warp._src import collision_convex, collision_primitive, constraint, types
     from mujoco_warp._src.math import upper_trid_index
 
     elliptic = m.opt.cone == types.ConeType.ELLIPTIC
@@ -1165,9 +1360,11 @@ def _contact_rules(m) -> list:
     roots = np.unique(body_rootid[geom_bodyid])  # the subtree roots contacts are offset from
     isdofancestor = np.asarray(m.body_isdofancestor.numpy())[:, : m.nv] != 0
     ntypes = len(types.GeomType)
+    primitive = {(int(a), int(b)) for a, b in collision_primitive._PRIMITIVE_COLLISIONS}
+    if not m.opt.disableflags & types.DisableBit.NATIVECCD:  # (box-box then goes to the convex narrowphase)
+        primitive.discard((int(types.GeomType.BOX), int(types.GeomType.BOX)))
     present = [(t1, t2) for t1 in range(ntypes) for t2 in range(t1, ntypes)
-               if (t1, t2) in {(int(a), int(b)) for a, b in collision_primitive._PRIMITIVE_COLLISIONS}
-               and m.geom_pair_type_count[upper_trid_index(ntypes, t1, t2)]]
+               if (t1, t2) in primitive and m.geom_pair_type_count[upper_trid_index(ntypes, t1, t2)]]
     unruled = [f"{types.GeomType(t1).name.lower()}-{types.GeomType(t2).name.lower()}" for t1, t2 in present
                if (t1, t2) not in ruled]
     unsupported = (f"explicit contact pairs (<pair>: {m.npair})" if m.npair else
@@ -1201,12 +1398,25 @@ def _contact_rules(m) -> list:
         nan = jnp.asarray(jnp.nan, xpos.dtype)
         computed = {name: jnp.full(after[name].shape, nan)
                     for name in ("contact_dist_out", "contact_pos_out", "contact_frame_out")}
+        gap = after["geom_gap"]
+        band = (geom("geom_margin", g1) + geom("geom_margin", g2)  # (contact_margin_gap's margin + gap)
+                + gap[world % gap.shape[0], g1] + gap[world % gap.shape[0], g2])
         for pair in present:
-            dist, pos, frame = _PAIR_CONTACTS[ruled[pair]](*geoms[0], *geoms[1], cid)
+            dist, pos, frame = _PAIR_CONTACTS[ruled[pair]](*geoms[0], *geoms[1], cid, band)
             case = kind == pair[0] * ntypes + pair[1]
             computed.update(contact_dist_out=jnp.where(case, dist, computed["contact_dist_out"]),
                             contact_pos_out=jnp.where(case[:, None], pos, computed["contact_pos_out"]),
                             contact_frame_out=jnp.where(case[:, None, None], frame, computed["contact_frame_out"]))
+        # a written slot where the JAX took another branch than the launch did (a tie its rounding broke the other
+        # way: which capsule end, which face of a box) would differentiate another contact than the one the step
+        # made: its derivative is NaN (a factor of 1 elsewhere), never that other contact's
+        same = ~written
+        for name in ("contact_dist_out", "contact_pos_out", "contact_frame_out"):
+            gap = jnp.abs(computed[name] - after[name]).reshape(slot.size, -1).max(-1)
+            same |= gap <= CONTACT_AGREEMENT * jnp.maximum(1.0, jnp.abs(after[name]).reshape(slot.size, -1).max(-1))
+        for name in ("contact_dist_out", "contact_pos_out", "contact_frame_out"):
+            factor = jnp.where(same, 1.0, nan).reshape((-1,) + (1,) * (computed[name].ndim - 1))
+            computed[name] = computed[name] * factor
         f1, f2 = geom("geom_friction", g1), geom("geom_friction", g2)
         q1, q2 = jnp.asarray(geom_priority)[g1][:, None], jnp.asarray(geom_priority)[g2][:, None]
         mixed = jnp.where(q1 > q2, f1, jnp.where(q2 > q1, f2, jnp.maximum(f1, f2)))
@@ -1294,10 +1504,10 @@ def _contact_rules(m) -> list:
                                               "geom_solmix", "geom_solref", "geom_solimp", "geom_margin",
                                               "nacon_out", *contact_floats)},
         writes=lambda **a: {n: a[n] for n in contact_floats},
+        # the gap decides only which contacts are made (and which of two boxes' clipped corners): context; no float
+        # written depends on it
         context=lambda **a: {n: a[n] for n in ("contact_geom_out", "contact_worldid_out",
-                                                "contact_geomcollisionid_out", "nacon_out")},
-        # the gap decides only which contacts are made (context); no float written depends on it
-        ignores=lambda geom_gap, **_: {"geom_gap": geom_gap},
+                                                "contact_geomcollisionid_out", "nacon_out", "geom_gap")},
     )
     jacobian = warpnn.StageRule(
         constraint, "_efc_contact_jac_dense", jacobian_rule, per_launch=True,
@@ -1307,7 +1517,20 @@ def _contact_rules(m) -> list:
         context=lambda **a: {n: a[n] for n in ("ne_in", "nf_in", "nl_in", "nefc_in", "efc_id_in", "condim_in",
                                                 "geom_in", "contact_efc_address_in")},
     )
-    return [narrowphase, jacobian]
+    boxes = (int(types.GeomType.BOX),) * 2
+    box_hint = ("; two boxes collide by MuJoCo's box-box collider, which differentiates, with the model's native "
+                "convex collision off (<option><flag nativeccd=\"disable\"/></option>, as MuJoCo)"
+                if boxes not in primitive and m.geom_pair_type_count[upper_trid_index(ntypes, *boxes)] else "")
+
+    def convex_rule(before, after):
+        raise NotImplementedError(f"collision narrowphase (convex, GJK/EPA): the contacts of meshes and of the pairs "
+                                  f"mujoco_warp collides by GJK/EPA are not differentiated{box_hint}")
+
+    convex = warpnn.StageRule(  # (a refusal that teaches; the kernel's own facts would list its loops and atomics)
+        collision_convex, "ccd_kernel_builder", convex_rule, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in ("geom_xpos_in", "geom_xmat_in")},
+        writes=lambda **a: {n: a[n] for n in contact_floats})
+    return [narrowphase, jacobian, convex]
 
 
 def _impedance(solref, solimp, distance, timestep, refsafe: bool):
