@@ -1001,8 +1001,9 @@ def _mj_safe_div(x, y):
 
 def _capsule_box_segment(p, axis, half, size):
     """Where ``capsule_box`` puts its spheres along the capsule (in the box's frame: centre ``p``, unit axis
-    ``axis``, half length ``half``; the box's half-extents ``size``): the first sphere at ``p + h * first``, the second at ``p + h * (first + second)`` where
-    ``second > -3`` (else there is none), and whether there is any contact (``cltype != -4``). The kernel's
+    ``axis``, half length ``half``; the box's half-extents ``size``): the first sphere at ``p + h * first`` (``h =
+    axis * half``), the second at ``p + h * (first + second)`` where ``second > -3`` (else there is none), and
+    whether there is any contact (``cltype != -4``). The kernel's
     searches as it runs them: its two capsule ends against the box's faces, then its twelve edges in order, each
     replacing the best only if strictly nearer; then the second point by the configuration found (a corner, an
     edge or a face nearest)."""
@@ -1107,14 +1108,12 @@ def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid, _band):
     return jnp.where(any_contact & ~(twice & (second <= -3)), dist, MJ_MAXVAL), pos, frame
 
 
-# mujoco_warp's tolerances for box-box (collision_primitive_core: MuJoCo's single-precision values)
-_BOXBOX_SEPEPS, _BOXBOX_PAREPS, _BOXBOX_SGNEPS, _BOXBOX_DUPEPS, _BOXBOX_EDGEBIAS = 1e-6, 1e-7, 1e-5, 1e-10, 1e-6
-
-
 def _box_box_axis(rot, pos21, pos12, size1, size2, septol):
-    """``box_box``'s separating-axis search: whether an axis separates the boxes by more than ``septol``; ``code`` (0-2 a face of box 1, 3-5 of box 2, ``6 + 3 i + j`` the
-    edges ``i`` of box 1 and ``j`` of box 2), in the kernel's order and with its tie rules and preference of a face
-    over an edge nearly parallel to it; and the edge axis (box 1's frame, unit) where an edge pair wins."""
+    """``box_box``'s separating-axis search: whether an axis separates the boxes by more than ``septol``; ``code``
+    (0-2 a face of box 1, 3-5 of box 2, ``6 + 3 i + j`` the edges ``i`` of box 1 and ``j`` of box 2), in the
+    kernel's order and with its tie rules and preference of a face over an edge nearly parallel to it; and the edge
+    axis (box 1's frame, unit) where an edge pair wins."""
+    from mujoco_warp._src.collision_primitive_core import _BOXBOX_EDGEBIAS, _BOXBOX_PAREPS
     from mujoco_warp._src.types import MJ_MAXVAL, MJ_MINVAL
 
     count = rot.shape[0]
@@ -1149,10 +1148,10 @@ def _box_box_axis(rot, pos21, pos12, size1, size2, septol):
     column = jnp.take_along_axis(rot, edge_j[:, None, None], 2)[:, :, 0]  # (box 2's edge axis in box 1's frame)
     axis = (jax.nn.one_hot(i1, 3, dtype=rot.dtype) * -jnp.take_along_axis(column, i2[:, None], 1)
             + jax.nn.one_hot(i2, 3, dtype=rot.dtype) * jnp.take_along_axis(column, i1[:, None], 1))
-    axis = axis / _safe_norm(axis + (code < 6)[:, None])  # (a face's code: any nonzero length, unused)
+    axis = axis / _safe_norm(jnp.where((code >= 6)[:, None], axis, 1.0))  # (a face's: unused, kept finite)
     face_rot = jnp.take_along_axis(rot, jnp.clip(face_code - 3, 0, 2)[:, None, None], 2)[:, :, 0]
-    face_dot = jnp.where(face_code < 3, jnp.abs(jnp.take_along_axis(axis, jnp.clip(face_code, 0, 2)[:, None], 1)[:, 0]),
-                         jnp.abs(jnp.sum(axis * face_rot, -1)))
+    face_axis = jnp.take_along_axis(axis, jnp.clip(face_code, 0, 2)[:, None], 1)[:, 0]
+    face_dot = jnp.abs(jnp.where(face_code < 3, face_axis, jnp.sum(axis * face_rot, -1)))
     aliased = (code >= 6) & (face_dot > 0.99) & (best < face_sep + 0.05 * jnp.abs(face_sep) + MJ_MINVAL)
     return separated, jnp.where(aliased, face_code, code), axis
 
@@ -1160,6 +1159,7 @@ def _box_box_axis(rot, pos21, pos12, size1, size2, septol):
 def _box_box_edges(rot, pos21, size1, size2, code, axis):
     """``box_box``'s edge-edge contact: the witness points of the two supporting edges (both choices of a corner
     the axis leaves ambiguous, the nearer pair kept), in box 1's frame."""
+    from mujoco_warp._src.collision_primitive_core import _BOXBOX_SGNEPS
     from mujoco_warp._src.types import MJ_MAXVAL, MJ_MINVAL
 
     dtype = rot.dtype
@@ -1168,8 +1168,11 @@ def _box_box_edges(rot, pos21, size1, size2, code, axis):
     at = lambda x, k: jnp.take_along_axis(x, k[:, None], 1)[:, 0]  # noqa: E731
     axis = jnp.where((jnp.sum(axis * pos21, -1) < 0.0)[:, None], -axis, axis)
     a2 = _matvec_transposed(rot, axis)  # (the axis in box 2's frame)
-    amb1 = jnp.where(jnp.abs(at(axis, i1)) < _BOXBOX_SGNEPS, i1, jnp.where(jnp.abs(at(axis, i2)) < _BOXBOX_SGNEPS, i2, -1))
-    amb2 = jnp.where(jnp.abs(at(a2, j1)) < _BOXBOX_SGNEPS, j1, jnp.where(jnp.abs(at(a2, j2)) < _BOXBOX_SGNEPS, j2, -1))
+    def ambiguous(direction, k1, k2):  # the first of the two components too small to choose a corner by, or -1
+        small = lambda k: jnp.abs(at(direction, k)) < _BOXBOX_SGNEPS  # noqa: E731
+        return jnp.where(small(k1), k1, jnp.where(small(k2), k2, -1))
+
+    amb1, amb2 = ambiguous(axis, i1, i2), ambiguous(a2, j1, j2)
     d2 = jnp.take_along_axis(rot, edge_j[:, None, None], 2)[:, :, 0]
     b = at(d2, edge_i)
     denom = 1.0 - b * b
@@ -1224,6 +1227,7 @@ def _box_box_clip(count, poly, coord, sign, limit):
 def _box_box_faces(rot, pos21, pos12, rot1, pos1, rot2, pos2, size1, size2, code, cid, band):
     """``box_box``'s face contact: the incident face clipped to the reference face's sides; contact ``cid`` is
     the ``cid``-th clipped vertex within the band, near-duplicates dropped, as the kernel numbers them."""
+    from mujoco_warp._src.collision_primitive_core import _BOXBOX_DUPEPS
     from mujoco_warp._src.types import MJ_MAXVAL
 
     count, dtype = rot.shape[0], rot.dtype
@@ -1274,7 +1278,8 @@ def _box_box(pos1, rot1, size1, pos2, rot2, size2, cid, band):
     """Two boxes (MuJoCo's ``mjc_BoxBox`` as mujoco_warp ports it): the separating axis of least penetration; on
     an edge pair one contact midway between the edges' closest points, on a face the incident face's clipped
     corners within the band (contact ``cid``: the kernel's ``cid``-th). A contact the kernel does not make (or a
-    pair it finds separated) has distance ``MJ_MAXVAL``."""
+    pair it finds separated) has distance ``MJ_MAXVAL``. Its tolerances are mujoco_warp's own."""
+    from mujoco_warp._src.collision_primitive_core import _BOXBOX_SEPEPS
     from mujoco_warp._src.types import MJ_MAXVAL
 
     pos21, pos12 = _matvec_transposed(rot1, pos2 - pos1), _matvec_transposed(rot2, pos1 - pos2)
@@ -1288,8 +1293,9 @@ def _box_box(pos1, rot1, size1, pos2, rot2, size2, cid, band):
     face_dist, face_pos, face_normal = _box_box_faces(rot, pos21, pos12, rot1, pos1, rot2, pos2, size1, size2, code,
                                                       cid, band)
     edge = code >= 6
-    return (jnp.where(separated, MJ_MAXVAL, jnp.where(edge, edge_dist, face_dist)), jnp.where(edge[:, None], edge_pos, face_pos),
-            _make_frame(jnp.where(edge[:, None], edge_normal, face_normal)))
+    normal = jnp.where(edge[:, None], edge_normal, face_normal)
+    return (jnp.where(separated, MJ_MAXVAL, jnp.where(edge, edge_dist, face_dist)),
+            jnp.where(edge[:, None], edge_pos, face_pos), _make_frame(normal))
 
 
 _PAIR_CONTACTS = {"plane-sphere": _plane_sphere, "plane-capsule": _plane_capsule, "plane-ellipsoid": _plane_ellipsoid,
@@ -1412,8 +1418,9 @@ def _contact_rules(m) -> list:
         # made: its derivative is NaN (a factor of 1 elsewhere), never that other contact's
         same = ~written
         for name in ("contact_dist_out", "contact_pos_out", "contact_frame_out"):
-            gap = jnp.abs(computed[name] - after[name]).reshape(slot.size, -1).max(-1)
-            same |= gap <= CONTACT_AGREEMENT * jnp.maximum(1.0, jnp.abs(after[name]).reshape(slot.size, -1).max(-1))
+            difference = jnp.abs(computed[name] - after[name]).reshape(slot.size, -1).max(-1)
+            magnitude = jnp.maximum(1.0, jnp.abs(after[name]).reshape(slot.size, -1).max(-1))
+            same |= difference <= CONTACT_AGREEMENT * magnitude
         for name in ("contact_dist_out", "contact_pos_out", "contact_frame_out"):
             factor = jnp.where(same, 1.0, nan).reshape((-1,) + (1,) * (computed[name].ndim - 1))
             computed[name] = computed[name] * factor
@@ -1518,8 +1525,9 @@ def _contact_rules(m) -> list:
                                                 "geom_in", "contact_efc_address_in")},
     )
     boxes = (int(types.GeomType.BOX),) * 2
-    box_hint = ("; two boxes collide by MuJoCo's box-box collider, which differentiates, with the model's native "
-                "convex collision off (<option><flag nativeccd=\"disable\"/></option>, as MuJoCo)"
+    box_hint = ("; for two boxes, turn the model's native convex collision off (<option><flag nativeccd=\"disable\"/>"
+                "</option>): mujoco_warp, as MuJoCo, then collides them by MuJoCo's box-box collider, which "
+                "differentiates"
                 if boxes not in primitive and m.geom_pair_type_count[upper_trid_index(ntypes, *boxes)] else "")
 
     def convex_rule(before, after):

@@ -1141,16 +1141,21 @@ STACK = """
 """
 
 
-@pytest.fixture(scope="module")
-def stack():
-    """STACK settled (200 mj_steps), traced from there with the contact parameters."""
-    mjm = mujoco.MjModel.from_xml_string(STACK)
+def settled_with_friction(xml, **options):
+    """A scene settled (200 mj_steps), traced from there with the contact parameters (``MujocoStep``'s ``options``),
+    its MjModel and the settled MjData."""
+    mjm = mujoco.MjModel.from_xml_string(xml)
     mjd = mujoco.MjData(mjm)
     for _ in range(200):
         mujoco.mj_step(mjm, mjd)
     with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=CONTACT_PARAMS)
+        step = MujocoStep(mjm, mjd, param_fields=CONTACT_PARAMS, **options)
     return step, mjm, mjd
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return settled_with_friction(STACK)
 
 
 @pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
@@ -1197,15 +1202,9 @@ SHAPES = """
 
 @pytest.fixture(scope="module")
 def shapes():
-    """SHAPES settled (200 mj_steps), traced from there with the contact parameters (and a dense constraint
-    Jacobian: with 36 dofs mujoco_warp's default would be sparse, which the solver's rule refuses)."""
-    mjm = mujoco.MjModel.from_xml_string(SHAPES)
-    mjd = mujoco.MjData(mjm)
-    for _ in range(200):
-        mujoco.mj_step(mjm, mjd)
-    with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=CONTACT_PARAMS, sparse_jacobian=False)
-    return step, mjm, mjd
+    # (a dense constraint Jacobian: with 36 dofs mujoco_warp's default would be sparse, which the solver's rule
+    # refuses)
+    return settled_with_friction(SHAPES, sparse_jacobian=False)
 
 
 @pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
