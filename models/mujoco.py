@@ -34,8 +34,8 @@ kernels through their adjoints (those mujoco_warp builds with ``enable_backward=
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
 cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, a capsule's with capsules and
-boxes, two boxes (with ``nativeccd`` disabled: else mujoco_warp collides them by GJK/EPA; meshes and convex pairs
-are refused), a sparse constraint Jacobian, spatial tendons. Elliptic friction cones
+boxes, two boxes (with ``nativeccd`` disabled: else mujoco_warp collides them by GJK/EPA), a mesh on a plane (other
+mesh and convex pairs are refused), a sparse constraint Jacobian, spatial tendons. Elliptic friction cones
 differentiate (the contact rows by a rule, the solver's rule with the cone's force). See
 ``docs/mujoco.md``.
 
@@ -861,8 +861,10 @@ def _segment_weights(a, b, c, d, pair):
 
 # The primitive collisions of mujoco_warp's narrowphase (collision_primitive_core), in JAX, one function per geom
 # pair: each takes the two geoms' positions, orientations and sizes per contact slot, the collision id the launch
-# left in the slot (which of a pair's contacts it is) and the pair's acceptance band (margin + gap: which of a box
-# pair's clipped vertices are contacts), and gives the contact's distance, position and frame. Every
+# left in the slot (which of a pair's contacts it is) and ``launch``, what else the launch had and wrote for the slot
+# (not differentiated: ``band``, the pair's margin + gap, which decides which of two boxes' clipped corners are
+# contacts; ``dist`` and ``pos``, the contact it wrote, whose mesh vertex a plane-mesh contact is), and gives the
+# contact's distance, position and frame. Every
 # branch of the Warp function is computed and selected by its condition, divisions guarded, so that the branches
 # not taken leave no NaN in the derivative.
 
@@ -872,18 +874,18 @@ def _plane_sphere_point(normal, plane_pos, centre, radius):
     return dist, centre - normal * (radius + 0.5 * dist)[:, None]
 
 
-def _plane_sphere(plane_pos, plane_rot, _, pos, __, size, ___, _band):
+def _plane_sphere(plane_pos, plane_rot, _, pos, __, size, ___, _launch):
     normal = plane_rot[:, :, 2]
     return *_plane_sphere_point(normal, plane_pos, pos, size[:, 0]), _make_frame(normal)
 
 
-def _plane_capsule(plane_pos, plane_rot, _, pos, rot, size, cid, _band):
+def _plane_capsule(plane_pos, plane_rot, _, pos, rot, size, cid, _launch):
     normal, axis = plane_rot[:, :, 2], rot[:, :, 2]
     end = pos + jnp.where(cid == 0, 1.0, -1.0)[:, None] * axis * size[:, 1:2]  # contact 0 at +axis
     return *_plane_sphere_point(normal, plane_pos, end, size[:, 0]), _plane_capsule_frame(normal, axis)
 
 
-def _plane_ellipsoid(plane_pos, plane_rot, _, pos, rot, size, __, _band):
+def _plane_ellipsoid(plane_pos, plane_rot, _, pos, rot, size, __, _launch):
     normal = plane_rot[:, :, 2]
     scaled = _matvec_transposed(rot, normal) * size  # (the plane's normal in the ellipsoid's frame, scaled)
     length = _safe_norm(scaled)
@@ -892,7 +894,7 @@ def _plane_ellipsoid(plane_pos, plane_rot, _, pos, rot, size, __, _band):
     return dist, deepest - normal * 0.5 * dist[:, None], _make_frame(normal)
 
 
-def _plane_cylinder(plane_pos, plane_rot, _, pos, rot, size, cid, _band):
+def _plane_cylinder(plane_pos, plane_rot, _, pos, rot, size, cid, _launch):
     """Four contacts: the rim's point nearest the plane on each cap (ids 0, 1), two more on the near cap (2, 3)."""
     normal, radius, half = plane_rot[:, :, 2], size[:, 0:1], size[:, 1:2]
     along = jnp.sum(normal * rot[:, :, 2], -1, keepdims=True)
@@ -917,7 +919,7 @@ def _plane_cylinder(plane_pos, plane_rot, _, pos, rot, size, cid, _band):
     return dist[:, 0], point - normal * 0.5 * dist, _make_frame(normal)
 
 
-def _plane_box(plane_pos, plane_rot, _, pos, rot, size, cid, _band):
+def _plane_box(plane_pos, plane_rot, _, pos, rot, size, cid, _launch):
     """The corner the collision id names (bit k: + or - the half-size along the box's axis k)."""
     normal = plane_rot[:, :, 2]
     bits = (cid[:, None] >> jnp.arange(3)) & 1
@@ -926,19 +928,19 @@ def _plane_box(plane_pos, plane_rot, _, pos, rot, size, cid, _band):
     return dist, corner + pos - 0.5 * normal * dist[:, None], _make_frame(normal)
 
 
-def _sphere_sphere_contact(pos1, _, size1, pos2, __, size2, ___, _band):
+def _sphere_sphere_contact(pos1, _, size1, pos2, __, size2, ___, _launch):
     dist, pos, normal = _sphere_sphere(pos1, size1[:, 0], pos2, size2[:, 0])
     return dist, pos, _make_frame(normal)
 
 
-def _sphere_capsule(pos1, _, size1, pos2, rot2, size2, __, _band):
+def _sphere_capsule(pos1, _, size1, pos2, rot2, size2, __, _launch):
     axis = rot2[:, :, 2]
     along = jnp.clip(jnp.sum(axis * (pos1 - pos2), -1, keepdims=True), -size2[:, 1:2], size2[:, 1:2])
     dist, pos, normal = _sphere_sphere(pos1, size1[:, 0], pos2 + axis * along, size2[:, 0])
     return dist, pos, _make_frame(normal)
 
 
-def _sphere_cylinder(pos1, _, size1, pos2, rot2, size2, __, _band):
+def _sphere_cylinder(pos1, _, size1, pos2, rot2, size2, __, _launch):
     """The cylinder's side, a cap or the rim, whichever the sphere's centre is nearest (as the kernel decides)."""
     axis, radius, half = rot2[:, :, 2], size2[:, 0], size2[:, 1]
     offset = pos1 - pos2
@@ -960,7 +962,7 @@ def _sphere_cylinder(pos1, _, size1, pos2, rot2, size2, __, _band):
     return dist, pos, _make_frame(normal)
 
 
-def _sphere_box(pos1, _, size1, pos2, rot2, size2, __, _band):
+def _sphere_box(pos1, _, size1, pos2, rot2, size2, __, _launch):
     """Outside the box: towards its nearest point; inside: out through its nearest face."""
     from mujoco_warp._src.types import MJ_MINVAL
 
@@ -981,7 +983,7 @@ def _sphere_box(pos1, _, size1, pos2, rot2, size2, __, _band):
     return dist, pos2 + _matvec(rot2, local_pos), _make_frame(normal)
 
 
-def _capsule_capsule(pos1, rot1, size1, pos2, rot2, size2, cid, _band):
+def _capsule_capsule(pos1, rot1, size1, pos2, rot2, size2, cid, _launch):
     """The closest points of the two axes (``cid`` 1: the second pair of parallel capsules)."""
     axis1, axis2 = rot1[:, :, 2], rot2[:, :, 2]
     half1, half2 = size1[:, 1:2], size2[:, 1:2]
@@ -1094,7 +1096,7 @@ def _capsule_box_segment(p, axis, half, size):
     return first, second, cltype != -4
 
 
-def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid, _band):
+def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid, _launch):
     """Two spheres of the capsule's radius on its axis, each against the box as ``sphere_box`` (``cid`` 1: the
     second, where ``capsule_box`` makes one). A contact the kernel does not make has distance ``MJ_MAXVAL``."""
     from mujoco_warp._src.types import MJ_MAXVAL
@@ -1104,7 +1106,7 @@ def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid, _band):
     h = axis * size1[:, 1:2]
     twice = cid == 1
     centre = pos2 + _matvec(rot2, p + h * (first + jnp.where(twice, second, 0.0))[:, None])
-    dist, pos, frame = _sphere_box(centre, None, size1, pos2, rot2, size2, cid, _band)
+    dist, pos, frame = _sphere_box(centre, None, size1, pos2, rot2, size2, cid, _launch)
     return jnp.where(any_contact & ~(twice & (second <= -3)), dist, MJ_MAXVAL), pos, frame
 
 
@@ -1274,7 +1276,7 @@ def _box_box_faces(rot, pos21, pos12, rot1, pos1, rot2, pos2, size1, size2, code
     return dist, _matvec(matref, local) + posref, normal
 
 
-def _box_box(pos1, rot1, size1, pos2, rot2, size2, cid, band):
+def _box_box(pos1, rot1, size1, pos2, rot2, size2, cid, launch):
     """Two boxes (MuJoCo's ``mjc_BoxBox`` as mujoco_warp ports it): the separating axis of least penetration; on
     an edge pair one contact midway between the edges' closest points, on a face the incident face's clipped
     corners within the band (contact ``cid``: the kernel's ``cid``-th). A contact the kernel does not make (or a
@@ -1282,6 +1284,7 @@ def _box_box(pos1, rot1, size1, pos2, rot2, size2, cid, band):
     from mujoco_warp._src.collision_primitive_core import _BOXBOX_SEPEPS
     from mujoco_warp._src.types import MJ_MAXVAL
 
+    band = launch["band"]
     pos21, pos12 = _matvec_transposed(rot1, pos2 - pos1), _matvec_transposed(rot2, pos1 - pos2)
     rot = jnp.einsum("sji,sjk->sik", rot1, rot2)  # (box 2's axes in box 1's frame: columns)
     septol = band + _BOXBOX_SEPEPS * (jnp.sum(size1, -1) + jnp.sum(size2, -1))
@@ -1298,10 +1301,23 @@ def _box_box(pos1, rot1, size1, pos2, rot2, size2, cid, band):
             jnp.where(edge[:, None], edge_pos, face_pos), _make_frame(normal))
 
 
+def _plane_mesh(plane_pos, plane_rot, _, pos, rot, __, ___, launch):
+    """A mesh vertex against the plane: every contact ``plane_convex`` writes is one (the support vertex, then the
+    incident face's), at ``vertex - dist / 2 * normal``. Which vertex is the launch's choice (a hill climb over the
+    mesh's graph, a face, its hull): read back from the contact it wrote, as the vertex's coordinates in the mesh's
+    frame, which no pose or parameter moves; the contact then follows the pose differentiably."""
+    normal = plane_rot[:, :, 2]
+    vertex = launch["pos"] + 0.5 * launch["dist"][:, None] * normal
+    local = jax.lax.stop_gradient(_matvec_transposed(rot, vertex - pos))
+    return (*_plane_sphere_point(normal, plane_pos, pos + _matvec(rot, local), jnp.zeros_like(launch["dist"])),
+            _make_frame(normal))
+
+
 _PAIR_CONTACTS = {"plane-sphere": _plane_sphere, "plane-capsule": _plane_capsule, "plane-ellipsoid": _plane_ellipsoid,
                   "plane-cylinder": _plane_cylinder, "plane-box": _plane_box, "sphere-sphere": _sphere_sphere_contact,
                   "sphere-capsule": _sphere_capsule, "sphere-cylinder": _sphere_cylinder, "sphere-box": _sphere_box,
-                  "capsule-capsule": _capsule_capsule, "capsule-box": _capsule_box, "box-box": _box_box}
+                  "capsule-capsule": _capsule_capsule, "capsule-box": _capsule_box, "box-box": _box_box,
+                  "plane-mesh": _plane_mesh}
 
 
 # How closely the narrowphase rule's contact (distance, position, frame) must equal the one the launch wrote, relative
@@ -1338,8 +1354,9 @@ def _contact_rules(m) -> list:
       ``geom_size``) for the pair and the collision id the launch left in each written slot (the box's corner, the
       capsule's end, the second pair of parallel capsules), as mujoco_warp's collision functions compute them
       (``_PAIR_CONTACTS``: a plane against spheres, capsules, ellipsoids, cylinders and boxes, a sphere against
-      spheres, capsules, cylinders and boxes, a capsule against capsules and boxes, box-box), only for the pairs
-      the model has; friction, ``solref``, ``solimp`` and the margin from ``geom_friction``, ``geom_solref``,
+      spheres, capsules, cylinders and boxes, a capsule against capsules and boxes, box-box, and a plane against a
+      mesh, whose contact is the mesh vertex the launch chose, read back from the contact it wrote), only for the
+      pairs the model has; friction, ``solref``, ``solimp`` and the margin from ``geom_friction``, ``geom_solref``,
       ``geom_solimp``, ``geom_solmix`` and ``geom_margin`` as ``collision_core.contact_material_params`` mixes
       them (contact stiffness, damping, impedance and margins differentiate); the margin and the gap also decide
       which contacts are made (and which of two boxes' clipped corners), not differentiated. A contact the JAX
@@ -1405,10 +1422,11 @@ def _contact_rules(m) -> list:
         computed = {name: jnp.full(after[name].shape, nan)
                     for name in ("contact_dist_out", "contact_pos_out", "contact_frame_out")}
         gap = after["geom_gap"]
-        band = (geom("geom_margin", g1) + geom("geom_margin", g2)  # (contact_margin_gap's margin + gap)
-                + gap[world % gap.shape[0], g1] + gap[world % gap.shape[0], g2])
+        launch = {"band": (geom("geom_margin", g1) + geom("geom_margin", g2)  # (contact_margin_gap's margin + gap)
+                           + gap[world % gap.shape[0], g1] + gap[world % gap.shape[0], g2]),
+                  "dist": after["contact_dist_out"], "pos": after["contact_pos_out"]}
         for pair in present:
-            dist, pos, frame = _PAIR_CONTACTS[ruled[pair]](*geoms[0], *geoms[1], cid, band)
+            dist, pos, frame = _PAIR_CONTACTS[ruled[pair]](*geoms[0], *geoms[1], cid, launch)
             case = kind == pair[0] * ntypes + pair[1]
             computed.update(contact_dist_out=jnp.where(case, dist, computed["contact_dist_out"]),
                             contact_pos_out=jnp.where(case[:, None], pos, computed["contact_pos_out"]),
