@@ -1126,6 +1126,18 @@ def test_a_contact_the_rule_computes_otherwise_than_the_launch_has_a_nan_gradien
     assert np.isnan(gradient()).any()
 
 
+def settled_with_friction(xml, settle=200, **options):
+    """A scene settled (``settle`` mj_steps), traced from there with the contact parameters (``MujocoStep``'s
+    ``options``), its MjModel and the settled MjData."""
+    mjm = mujoco.MjModel.from_xml_string(xml)
+    mjd = mujoco.MjData(mjm)
+    for _ in range(settle):
+        mujoco.mj_step(mjm, mjd)
+    with on_one_device():
+        step = MujocoStep(mjm, mjd, param_fields=CONTACT_PARAMS, **options)
+    return step, mjm, mjd
+
+
 # A mesh (a wedge: six vertices, two triangular and three quadrilateral faces) resting on a plane on one of its
 # quadrilateral faces, and tipped onto an edge: mujoco_warp's plane_convex contacts (the support vertex, then the
 # incident face's hull), each a mesh vertex. (The wedges do not collide with each other: a mesh pair goes to
@@ -1149,14 +1161,9 @@ def test_a_mesh_on_a_plane_differentiates():
     moves with the mesh's pose. jax.grad through 3 steps (from the second, the contacts are where the initial
     velocities moved the vertices) w.r.t. the initial velocities and the contact parameters against central
     differences of mj_step (measured <= 2.5e-5 relative through 1 step, 3.1e-5 through 10, CPU)."""
-    mjm = mujoco.MjModel.from_xml_string(MESH_ON_PLANE)
-    mjd = mujoco.MjData(mjm)
-    for _ in range(20):
-        mujoco.mj_step(mjm, mjd)
+    step, mjm, mjd = settled_with_friction(MESH_ON_PLANE, settle=20)
     mesh = mujoco.mjtGeom.mjGEOM_MESH
     assert sum(mjm.geom_type[c.geom2] == mesh for c in mjd.contact[:mjd.ncon]) >= 5
-    with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=CONTACT_PARAMS)
     assert step.reverse_refusals() == {}
     mjd = copy.copy(mjd)
     mjd.qvel[:] = np.random.default_rng(0).normal(size=mjm.nv) * 0.1
@@ -1178,18 +1185,6 @@ STACK = """
   </worldbody>
 </mujoco>
 """
-
-
-def settled_with_friction(xml, **options):
-    """A scene settled (200 mj_steps), traced from there with the contact parameters (``MujocoStep``'s ``options``),
-    its MjModel and the settled MjData."""
-    mjm = mujoco.MjModel.from_xml_string(xml)
-    mjd = mujoco.MjData(mjm)
-    for _ in range(200):
-        mujoco.mj_step(mjm, mjd)
-    with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=CONTACT_PARAMS, **options)
-    return step, mjm, mjd
 
 
 @pytest.fixture(scope="module")
