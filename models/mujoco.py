@@ -226,9 +226,33 @@ def _stage_rules(m) -> list:
                               **({"contact.dist": d.contact.dist, "contact.includemargin": d.contact.includemargin}
                                  if elliptic else {"contact.friction": d.contact.friction})},
     )
-    return [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-            _tendon_armature_rule(m), _tendon_dot_rule(m), *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
-            *([_elliptic_rows_rule(m)] if elliptic else [])]
+    rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
+             _tendon_armature_rule(m), _tendon_dot_rule(m), *_transmission_rule(m), *_tree_rules(m),
+             *_contact_rules(m), *([_elliptic_rows_rule(m)] if elliptic else [])]
+    return _for_this_mujoco_warp(rules)
+
+
+# The rules transcribe mujoco_warp's kernels and functions as this version writes them (the extra pins it).
+TRANSCRIBED_MUJOCO_WARP = "4.0."
+
+
+def _for_this_mujoco_warp(rules: list) -> list:
+    """``rules``, or where the installed mujoco_warp is not the version they transcribe, the same stages refused:
+    a rule checked against the launches at trace time can still differ from another version's kernel in its
+    derivative (a branch, a contact's numbering), so reverse mode is refused, naming both versions; the forward
+    replays the launches and is unaffected."""
+    from importlib.metadata import version
+
+    installed = version("mujoco-warp")
+    if installed.startswith(TRANSCRIBED_MUJOCO_WARP):
+        return rules
+
+    def refused(before, after):
+        raise NotImplementedError(f"warpnn_models.mujoco's rules transcribe mujoco_warp {TRANSCRIBED_MUJOCO_WARP}x; "
+                                  f"{installed} is installed (pip install 'warpnn[mujoco]' pins the version they "
+                                  f"cover)")
+
+    return [dataclasses.replace(rule, rule=refused) for rule in rules]
 
 
 def _elliptic_cone_force(before, after, on_cone):

@@ -369,6 +369,27 @@ def test_arm_has_no_refused_kernel_and_differentiates_its_stages_by_rules(arm):
     assert step.m.opt.graph_conditional and step.solver_loop == "auto"
 
 
+def test_another_mujoco_warp_version_refuses_reverse_mode_naming_both(monkeypatch):
+    """The rules transcribe mujoco_warp 4.0's kernels; with another version installed (here: the version they are
+    said to transcribe changed) every stage they cover is refused in reverse mode, naming both versions, and the
+    forward, which replays the launches, still equals mujoco_warp's."""
+    from warpnn_models import mujoco as mujoco_module
+
+    monkeypatch.setattr(mujoco_module, "TRANSCRIBED_MUJOCO_WARP", "9.9.")
+    mjm, mjd = start(ARM, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    with on_one_device():
+        step = MujocoStep(mjm, mjd)
+    refusals = step.reverse_refusals()
+    assert "mujoco_warp._src.solver.solve" in refusals and "mujoco_warp._src.smooth.factor_solve_i" in refusals
+    assert all("transcribe mujoco_warp 9.9.x; 4.0." in why for key, why in refusals.items())
+    state = step.initial_state()
+    with pytest.raises(TypeError, match="transcribe mujoco_warp 9.9.x"):
+        jax.grad(lambda qvel: jnp.sum(step({**state, "qvel": qvel})["qpos"]))(state["qvel"])
+    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd)
+    mjw.step(m, d)
+    np.testing.assert_array_equal(np.asarray(step(state)["qpos"]), d.qpos.numpy())
+
+
 @pytest.mark.parametrize("steps", [1, 10, 100])
 def test_arm_gradient_matches_finite_differences_of_mj_step(arm, steps):
     """jax.grad through 1, 10 and 100 steps w.r.t. the controls, the initial velocity, joint damping and actuator
