@@ -1025,6 +1025,12 @@ def _mj_safe_div(x, y):
     return x / jnp.where(y != 0.0, y, MJ_MINVAL)
 
 
+def _at(x, k):
+    """``x[slot, k[slot]]`` for ``x`` of shape (slots, 3): each slot's component ``k`` (an axis index the
+    collision functions compute per slot; kept in 0..2, where a slot's unused branch leaves it anything)."""
+    return jnp.take_along_axis(x, jnp.clip(k, 0, 2)[:, None], 1)[:, 0]
+
+
 def _capsule_box_segment(p, axis, half, size):
     """Where ``capsule_box`` puts its spheres along the capsule (in the box's frame: centre ``p``, unit axis
     ``axis``, half length ``half``; the box's half-extents ``size``): the first sphere at ``p + h * first`` (``h =
@@ -1079,11 +1085,8 @@ def _capsule_box_segment(p, axis, half, size):
             clcorner = jnp.where(better, corner + (1 << j) * (kind // 6), clcorner)
             cledge, cltype = jnp.where(better, j, cledge), jnp.where(better, kind, cltype)
 
-    def at(x, k):  # x[slot, k[slot]]
-        return jnp.take_along_axis(x, jnp.clip(k, 0, 2)[:, None], -1)[:, 0]
-
     def room(k):  # safe_div(size[k], |h[k]|)
-        return _mj_safe_div(at(size, k), jnp.abs(at(h, k)))
+        return _mj_safe_div(_at(size, k), jnp.abs(_at(h, k)))
 
     # a corner nearest: a second point unless the capsule points along the corner's diagonal
     c1 = axisdir ^ clcorner
@@ -1091,7 +1094,7 @@ def _capsule_box_segment(p, axis, half, size):
     mul = jnp.where(single, 1.0, -1.0)
     ax = jnp.where(single, c1, 7 - c1)
     ax = jnp.where(ax == 1, 0, jnp.where(ax == 2, 1, 2))
-    on_corner = jnp.where(at(axis, ax) ** 2 > 0.5,
+    on_corner = jnp.where(_at(axis, ax) ** 2 > 0.5,
                           jnp.minimum(1.0 - mul * first, 2.0 * room(ax)),
                           -jnp.minimum(1.0 + mul * first, 2.0 * jnp.minimum(room((ax + 1) % 3), room((ax + 2) % 3))))
     on_corner = jnp.where((c1 != 0) & (c1 != 7), on_corner * mul, -4.0)
@@ -1099,13 +1102,13 @@ def _capsule_box_segment(p, axis, half, size):
     edge = jnp.clip(cledge, 0, 2)
     c1 = (axisdir ^ clcorner) & (7 - (1 << edge))
     ax1, ax2 = (edge + 1) % 3, (edge + 2) % 3
-    ax1 = jnp.where(jnp.abs(at(axis, ax1)) > jnp.abs(at(axis, ax2)), ax2, ax1)
+    ax1 = jnp.where(jnp.abs(_at(axis, ax1)) > jnp.abs(_at(axis, ax2)), ax2, ax1)
     ax2 = 3 - edge - ax1
     towards = (c1 & (1 << ax2)) != 0
     mul = jnp.where(towards, 1.0, -1.0)
     on_edge = jnp.minimum(2.0 * room(ax2), jnp.where(towards, 1.0 - first, 1.0 + first))
     along = jnp.where(((axisdir & (1 << edge)) != 0) == towards, 1.0 - box_at, 1.0 + box_at)
-    on_edge = jnp.minimum(at(size, edge) * _mj_safe_div(along, jnp.abs(at(h, edge))), on_edge)
+    on_edge = jnp.minimum(_at(size, edge) * _mj_safe_div(along, jnp.abs(_at(h, edge))), on_edge)
     on_edge = jnp.where((c1 == 1) | (c1 == 2) | (c1 == 4), on_edge * mul, -4.0)
     # a face nearest: the farthest point of the capsule still over the box
     mul = jnp.where(cltype == -3, 1.0, -1.0)
@@ -1191,16 +1194,15 @@ def _box_box_edges(rot, pos21, size1, size2, code, axis):
     dtype = rot.dtype
     edge_i, edge_j = jnp.clip(code - 6, 0, 8) // 3, jnp.clip(code - 6, 0, 8) % 3
     i1, i2, j1, j2 = (edge_i + 1) % 3, (edge_i + 2) % 3, (edge_j + 1) % 3, (edge_j + 2) % 3
-    at = lambda x, k: jnp.take_along_axis(x, k[:, None], 1)[:, 0]  # noqa: E731
     axis = jnp.where((jnp.sum(axis * pos21, -1) < 0.0)[:, None], -axis, axis)
     a2 = _matvec_transposed(rot, axis)  # (the axis in box 2's frame)
     def ambiguous(direction, k1, k2):  # the first of the two components too small to choose a corner by, or -1
-        small = lambda k: jnp.abs(at(direction, k)) < _BOXBOX_SGNEPS  # noqa: E731
+        small = lambda k: jnp.abs(_at(direction, k)) < _BOXBOX_SGNEPS  # noqa: E731
         return jnp.where(small(k1), k1, jnp.where(small(k2), k2, -1))
 
     amb1, amb2 = ambiguous(axis, i1, i2), ambiguous(a2, j1, j2)
     d2 = jnp.take_along_axis(rot, edge_j[:, None, None], 2)[:, :, 0]
-    b = at(d2, edge_i)
+    b = _at(d2, edge_i)
     denom = 1.0 - b * b
     on_i, on_j = jax.nn.one_hot(edge_i, 3, dtype=dtype), jax.nn.one_hot(edge_j, 3, dtype=dtype)
     best = jnp.full(rot.shape[0], MJ_MAXVAL, dtype)
@@ -1213,9 +1215,9 @@ def _box_box_edges(rot, pos21, size1, size2, code, axis):
             cc = jnp.where(a2 >= 0.0, -size2, size2) * (1.0 - on_j) * (1.0 - 2.0 * flip2)
             c2 = _matvec(rot, cc) + pos21
             e = c2 - c1
-            d1e, d2e = at(e, edge_i), jnp.sum(d2 * e, -1)
+            d1e, d2e = _at(e, edge_i), jnp.sum(d2 * e, -1)
             s = _safe_divide(d1e - b * d2e, denom, denom >= MJ_MINVAL)
-            half1, half2 = at(size1, edge_i), at(size2, edge_j)
+            half1, half2 = _at(size1, edge_i), _at(size2, edge_j)
             s = jnp.clip(s, -half1, half1)
             t = jnp.clip(b * s - d2e, -half2, half2)
             s = jnp.clip(d1e + b * t, -half1, half1)
@@ -1257,33 +1259,32 @@ def _box_box_faces(rot, pos21, pos12, rot1, pos1, rot2, pos2, size1, size2, code
     from mujoco_warp._src.types import MJ_MAXVAL
 
     count, dtype = rot.shape[0], rot.dtype
-    at = lambda x, k: jnp.take_along_axis(x, k[:, None], 1)[:, 0]  # noqa: E731
     ref1 = code < 3
     a = jnp.clip(jnp.where(ref1, code, code - 3), 0, 2)
     sizeref, sizeinc = jnp.where(ref1[:, None], size1, size2), jnp.where(ref1[:, None], size2, size1)
     posref, matref = jnp.where(ref1[:, None], pos1, pos2), jnp.where(ref1[:, None, None], rot1, rot2)
     posoi = jnp.where(ref1[:, None], pos21, pos12)
     rinc = jnp.where(ref1[:, None, None], rot, jnp.swapaxes(rot, 1, 2))
-    sgn = jnp.where(at(posoi, a) >= 0.0, 1.0, -1.0)
+    sgn = jnp.where(_at(posoi, a) >= 0.0, 1.0, -1.0)
     row = jnp.take_along_axis(rinc, a[:, None, None], 1)[:, 0, :]  # rinc[a, :]
     binc = jnp.argmax(jnp.abs(row), -1)  # (the first of equals, as the kernel's strict comparison keeps)
-    tinc = jnp.where(sgn * at(row, binc) > 0.0, -1.0, 1.0)
+    tinc = jnp.where(sgn * _at(row, binc) > 0.0, -1.0, 1.0)
     ax, ay, bu, bv = (a + 1) % 3, (a + 2) % 3, (binc + 1) % 3, (binc + 2) % 3
     coords = jnp.stack([ax, ay, a], 1)
     gathered = lambda x: jnp.take_along_axis(x, coords, 1)  # noqa: E731  (x[coords[r]] per slot)
     column = lambda k: jnp.take_along_axis(rinc, k[:, None, None], 2)[:, :, 0]  # noqa: E731  (rinc[:, k])
-    cx = gathered(posoi + (tinc * at(sizeinc, binc))[:, None] * column(binc))
-    du, dv = gathered(at(sizeinc, bu)[:, None] * column(bu)), gathered(at(sizeinc, bv)[:, None] * column(bv))
+    cx = gathered(posoi + (tinc * _at(sizeinc, binc))[:, None] * column(binc))
+    du, dv = gathered(_at(sizeinc, bu)[:, None] * column(bu)), gathered(_at(sizeinc, bv)[:, None] * column(bv))
     up = jnp.stack([jnp.ones_like(sgn), jnp.ones_like(sgn), sgn], 1)
-    cx = cx * up - jnp.stack([jnp.zeros_like(sgn), jnp.zeros_like(sgn), at(sizeref, a)], 1)
+    cx = cx * up - jnp.stack([jnp.zeros_like(sgn), jnp.zeros_like(sgn), _at(sizeref, a)], 1)
     du, dv = du * up, dv * up
     corners = [cx + su * du + sv * dv for su, sv in ((1.0, 1.0), (-1.0, 1.0), (-1.0, -1.0), (1.0, -1.0))]
     poly = jnp.concatenate([jnp.stack(corners, 1), jnp.zeros((count, 4, 3), dtype)], 1)
     n = jnp.full(count, 4, jnp.int32)
-    for coord, sign, limit in ((0, 1.0, at(sizeref, ax)), (0, -1.0, at(sizeref, ax)), (1, 1.0, at(sizeref, ay)),
-                               (1, -1.0, at(sizeref, ay))):
+    for coord, sign, limit in ((0, 1.0, _at(sizeref, ax)), (0, -1.0, _at(sizeref, ax)), (1, 1.0, _at(sizeref, ay)),
+                               (1, -1.0, _at(sizeref, ay))):
         n, poly = _box_box_clip(n, poly, coord, sign, limit)
-    duplicate = _BOXBOX_DUPEPS * (at(sizeref, ax) ** 2 + at(sizeref, ay) ** 2)
+    duplicate = _BOXBOX_DUPEPS * (_at(sizeref, ax) ** 2 + _at(sizeref, ay) ** 2)
     accepted, naccept = jnp.zeros_like(poly), jnp.zeros(count, jnp.int32)
     for k in range(8):
         v = poly[:, k]
@@ -1294,7 +1295,7 @@ def _box_box_faces(rot, pos21, pos12, rot1, pos1, rot2, pos2, size1, size2, code
     v = jnp.take_along_axis(accepted, jnp.clip(cid, 0, 7)[:, None, None], 1)[:, 0]
     on = lambda k: jax.nn.one_hot(k, 3, dtype=dtype)  # noqa: E731
     local = (on(ax) * v[:, :1] + on(ay) * v[:, 1:2]
-             + on(a) * (sgn * (at(sizeref, a) + 0.5 * v[:, 2]))[:, None])
+             + on(a) * (sgn * (_at(sizeref, a) + 0.5 * v[:, 2]))[:, None])
     normal = jnp.where(ref1, sgn, -sgn)[:, None] * jnp.take_along_axis(matref, a[:, None, None], 2)[:, :, 0]
     dist = jnp.where(cid < naccept, v[:, 2], MJ_MAXVAL)
     return dist, _matvec(matref, local) + posref, normal
