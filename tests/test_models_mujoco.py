@@ -1262,7 +1262,10 @@ def shapes():
     return settled_with_friction(SHAPES, sparse_jacobian=False)
 
 
-@pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
+# (slow: 42 s of a 2-core CPU for 1 step, the suite's 10 minutes; each of its pairs is checked alone by
+# test_each_pairs_contacts_..., and whole steps with contacts by the box, capsule, stack and mesh scenes)
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [1, 10])
 def test_ellipsoid_cylinder_and_box_contacts_differentiate(shapes, steps):
     """The narrowphase rule's other pairs in one scene, settled and then set moving: jax.grad through 1 and 10 steps
     w.r.t. the initial velocities and the contact parameters against central differences of mj_step (measured

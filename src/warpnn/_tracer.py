@@ -45,7 +45,7 @@ import warp as wp
 
 from . import _access, _bounded, _idle, _owned, _recorded, _stage_rules, _value_args
 from ._batched import with_parameters_merged, with_parameters_reordered
-from ._bridge import jax_kernel
+from ._bridge import jax_kernel, outputs_in_place_only_into
 from ._signature import fully_written, kernel_array_uses, signature_of
 from ._stage_rules import StageRecord, StageRule
 from ._unrolled import adjoint_signature
@@ -221,11 +221,14 @@ class WarpProgram:
         self._views: dict[Any, Any] = dict(views or {})  # array key -> the key whose value it reshapes
         self._platform: str | None = None  # where the traced launches ran (set by trace)
         self._arrays: dict[Any, _ArrayInfo] = arrays
-        # Constants whose every byte was 0 when first touched (``_hooked_empty``) replay as ``jnp.zeros`` built inside
-        # the caller's trace, so XLA writes them in place rather than copying a literal; their snapshots are dropped.
+        # Constants some operation writes whose every byte was 0 when first touched (``_hooked_empty``) replay as
+        # ``jnp.zeros`` built inside the caller's trace, so XLA writes them in place rather than copying a literal;
+        # their snapshots are dropped. A zero constant nothing writes stays a constant: built inside a rollout's
+        # loop, XLA would fill it again every step (it does not hoist broadcasts out of loops).
         inputs = set(input_keys.values())
-        self._zero = frozenset(k for k, v in constants.items()
-                               if k not in inputs and not np.ascontiguousarray(v).reshape(-1).view(np.uint8).any())
+        written = {self._views.get(k, k) for op in self._ops for k in _written_keys(op)}
+        self._zero = frozenset(k for k, v in constants.items() if k not in inputs and k in written
+                               and not np.ascontiguousarray(v).reshape(-1).view(np.uint8).any())
         self._constants_np: dict[Any, np.ndarray] = {k: v for k, v in constants.items() if k not in self._zero}
         self._constants: dict[Any, jax.Array] | None = None
         self._input_keys: dict[str, Any] = input_keys
@@ -314,7 +317,7 @@ class WarpProgram:
 
     def constants(self) -> dict[str, jax.Array]:
         """The arrays the program reads that are not inputs (their values before the traced call), by name;
-        those that were all zeros are left out (the replay builds them).
+        those that were all zeros and that the program writes are left out (the replay builds them).
 
         A program called inside ``jax.jit`` otherwise embeds them in the compiled program as literals (JAX
         inlines closed-over arrays), which is fine for small models; for large ones, pass them as an argument
@@ -453,7 +456,7 @@ class WarpProgram:
             if on_launch is not None:  # (launch by launch for a test that watches each; loops in Python)
                 inner = [r for r in inner if isinstance(r, _LoopRecord)]
             if not inner:
-                self._replay_op(self._ops[index], get, put, on_launch)
+                self._replay_op(index, get, put, on_launch)
                 index += 1
                 continue
             outer = max(inner, key=lambda r: (r.end, isinstance(r, StageRecord)))  # (a stage around its loop)
@@ -500,12 +503,14 @@ class WarpProgram:
 
         return get, put
 
-    def _replay_op(self, op, get, put, on_launch=None) -> None:
+    def _replay_op(self, index: int, get, put, on_launch=None) -> None:
+        op = self._ops[index]
         if isinstance(op, _Launch):
             if on_launch is not None:
                 on_launch(LaunchRecord(op.kernel, op.dims, op.block_dim, op.num_outputs, op.in_out_names, op.output_dims),
                           [_argument(kind, v, get) for kind, v in op.inputs])
-            _replay_launch(op, get, put)
+            with outputs_in_place_only_into(self._dead_after[index]):
+                _replay_launch(op, get, put)
         elif isinstance(op, _Copy):
             put(op.dest, _replay_copy(op, get(op.dest), get(op.src)))
         elif isinstance(op, _Fill):
@@ -513,6 +518,32 @@ class WarpProgram:
             put(op.dest, jnp.broadcast_to(jnp.asarray(op.value, info.dtype), info.shape))
         else:
             put(op.dest, get(op.src))
+
+    @functools.cached_property
+    def _dead_after(self) -> dict[int, frozenset[str]]:
+        """For each launch, its array parameters whose values no later operation reads: the inputs a pure output
+        may be written over (``_bridge.outputs_in_place_only_into``). Live, conservatively: read by any later
+        operation (whatever writes it in between), a program output, read or carried anywhere in a loop around the
+        launch, or a result of a stage around it."""
+        base = lambda key: self._views.get(key, key)  # noqa: E731
+        live = {base(k) for k in self._output_keys.values()}
+        dead = {}
+        for index in reversed(range(len(self._ops))):
+            op = self._ops[index]
+            if isinstance(op, _Launch):
+                around = set(live)
+                for loop in self._loops.values():
+                    if loop.start <= index < loop.end:
+                        around.update(loop.written, (base(k) for op_ in self._ops[loop.start:loop.end]
+                                                     for k in _read_keys(op_)))
+                for stage in self._stages.values():
+                    if stage.start <= index < stage.end:
+                        around.update(stage.written)
+                params = op.kernel.adj.args
+                dead[index] = frozenset(params[i].label for i, (kind, key) in enumerate(op.inputs)
+                                        if kind == "array" and base(key) not in around)
+            live.update(base(k) for k in _read_keys(op))
+        return dead
 
     def _stage_function(self, stage: StageRecord):
         """The stage as a ``jax.custom_vjp`` function of the arrays it reads (``_stage_rules.stage_function``)."""
@@ -1254,7 +1285,7 @@ def _hooked_empty(*args, **kwargs):
     replay can then rebuild it. Its value when first touched is a constant of the program, and a constant an
     in-place launch writes is copied out of the program's literals on every call (mujoco_warp allocates its
     solver's and collision's scratch inside ``step``: XLA copied those buffers before the step's in-place
-    launches, every step of a rollout). A constant that is all zero bytes replays as ``jnp.zeros`` instead
+    launches, every step of a rollout). A written constant that is all zero bytes replays as ``jnp.zeros`` instead
     (``WarpProgram._zero``), which XLA writes without reading anything. The replay relies on the bytes seen, not
     on this hook: an array written by any means before its first recorded use keeps those values as its constant."""
     arr = _ORIGINAL["empty"](*args, **kwargs)
