@@ -820,7 +820,9 @@ def _with_outputs_in_place(plan: _CallPlan, arrays, *, differentiated: bool = Fa
     operations, or two), and the copy it moves from the loop to a call whose input the caller keeps costs the
     same in both places. Measured on an
     H200 with default flags (docs/benchmarks-speed-gpu.md): a 4096-element forward scan step, 1.05-1.13× pure
-    JAX written in place against 1.70-1.72× out of place.
+    JAX written in place against 1.70-1.72× out of place. Within a program of many launches the copy is not moved
+    but added, where a later launch reads the input: the tracer, which sees those reads, narrows the pairs
+    (``outputs_in_place_only_into``).
 
     ``differentiated``: the forward of a differentiated call, whose inputs are residuals of the backward pass. XLA
     then copies the input first unless it is a scan's carry, which the scan stores into its stack of residuals
