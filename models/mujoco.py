@@ -64,6 +64,7 @@ import warp as wp
 import warpnn
 
 from ._carry import trace_carrying
+from ._cholesky import cholesky, cholesky_solve
 
 __all__ = ["MujocoStep", "data_arrays", "equinox_module", "nnx_module", "rollout"]
 
@@ -310,43 +311,20 @@ def _spd_solve(A, b):
     """``A^-1 b`` per world for symmetric positive definite ``A`` (an inertia, or inertia plus ``J' D J``).
 
     By Cholesky, whose factor the solve's derivative reuses (``lax.custom_linear_solve``, as
-    ``jax.scipy.linalg.solve(assume_a="pos")`` does), written out in JAX (:func:`_cholesky`,
-    :func:`_cholesky_solve`) rather than called from LAPACK or cuSOLVER: one code path on every platform, made of
-    XLA fusions like the rest of the rules, with no library call in the loop body. jaxlib 0.10's batched LAPACK
-    kernels split their batch over XLA's CPU thread pool and wait for the pieces: two running at once (the inertia's
-    and the constraint solver's solves, in a step's backward) waited on each other forever on a two-core machine
-    (measured: 512 worlds' 27 x 27 LU factorizations, 4,096 worlds' Cholesky, the humanoid's backward at 64 worlds).
-    On a GPU each of the loops' steps is an XLA kernel of its own (about a hundred per solve), yet factoring by
-    cuSOLVER there instead (``jax.lax.linalg.cholesky``, the inverse factor by ``triangular_solve``) made the
-    humanoid's forward and backward at 8,192 worlds only 4% faster on an H200 (1.16M -> 1.21M steps/s, one run
-    each, within what machines of one kind differ by): not worth a second code path.
+    ``jax.scipy.linalg.solve(assume_a="pos")`` does). The factorization and the substitutions are Warp kernels, one
+    thread per world (``warpnn_models._cholesky``, with pure-JAX references), built without adjoints: the factor is
+    a constant, and ``custom_linear_solve`` differentiates the solve by solving again. Not LAPACK or cuSOLVER: jaxlib
+    0.10's batched LAPACK kernels split their batch over XLA's CPU thread pool and wait for the pieces, and two
+    running at once (the inertia's and the constraint solver's solves, in a step's backward) waited on each other
+    forever on a two-core machine (measured: 512 worlds' 27 x 27 LU factorizations, 4,096 worlds' Cholesky, the
+    humanoid's backward at 64 worlds); and cuSOLVER's factorization made the humanoid's backward at 8,192 worlds
+    only 4% faster on an H200. Not written out in JAX either (as before): each of the loops' ``n`` steps was an XLA
+    operation of its own (on a GPU a kernel launch), most of a step's backward (7 dofs: 151 of the 354 operations
+    of the backward's loop body were the inertia's two solves).
     """
-    factor = _cholesky(jax.lax.stop_gradient(A))
-    return jax.lax.custom_linear_solve(lambda x: _matvec(A, x), b, lambda _, x: _cholesky_solve(factor, x),
+    factor = cholesky(jax.lax.stop_gradient(A))
+    return jax.lax.custom_linear_solve(lambda x: _matvec(A, x), b, lambda _, x: cholesky_solve(factor, x),
                                        symmetric=True)
-
-
-def _cholesky(A):
-    """The lower Cholesky factor per world, column by column (``n`` steps, each over every world)."""
-    n = A.shape[-1]
-    below = jnp.arange(n)
-    L = jnp.zeros_like(A)
-    for j in range(n):
-        column = A[:, :, j] - jnp.sum(L[:, :, :j] * L[:, j : j + 1, :j], -1)
-        L = L.at[:, :, j].set(jnp.where(below >= j, column / jnp.sqrt(column[:, j : j + 1]), 0.0))
-    return L
-
-
-def _cholesky_solve(L, x):
-    """``(L L')^-1 x`` per world, by forward then back substitution."""
-    n = x.shape[-1]
-    y = jnp.zeros_like(x)
-    for j in range(n):
-        y = y.at[:, j].set((x[:, j] - jnp.sum(L[:, j, :j] * y[:, :j], -1)) / L[:, j, j])
-    z = jnp.zeros_like(x)
-    for j in reversed(range(n)):
-        z = z.at[:, j].set((y[:, j] - jnp.sum(L[:, j + 1 :, j] * z[:, j + 1 :], -1)) / L[:, j, j])
-    return z
 
 
 def _quat_integrate(q, omega, dt):

@@ -7,6 +7,7 @@ traced model costs a JAX compile of ~100 launches (~10 s on 2 CPU cores): each m
 """
 
 import copy
+import re
 
 import jax
 import jax.test_util
@@ -1450,11 +1451,34 @@ def test_the_rules_solve_calls_no_linear_algebra_library():
     at once on a two-thread pool waited on each other forever (measured on a 2-core machine with ``jnp.linalg.solve``
     at 512 worlds and Cholesky at 4,096, as in a step's backward, where the inertia's and the constraint solver's
     rules solve independently; CPU runs of the humanoid's backward at 64 and 512 worlds hung). The rules' solve and its
-    derivative are XLA operations alone: no LAPACK (or cuSOLVER) custom call."""
+    derivative call no LAPACK (or cuSOLVER) custom call: only warpnn's (the Cholesky kernels)."""
     A = jnp.broadcast_to(3.0 * jnp.eye(5), (4, 5, 5))
     b = jnp.ones((4, 5))
     both = jax.grad(lambda A, b: (_spd_solve(A, b) + _spd_solve(2 * A, 3 * b)).sum(), argnums=(0, 1))
-    lowered = jax.jit(both).lower(A, b).as_text()
-    assert "custom_call" not in lowered, [line for line in lowered.splitlines() if "custom_call" in line][:3]
+    targets = lambda lowered: set(re.findall(r"custom_call @(\w+)", lowered))  # noqa: E731
+    assert targets(jax.jit(both).lower(A, b).as_text()) == {"warpnn_native_forward"}
     lapack = jax.jit(lambda A, b: jnp.linalg.solve(A, b[..., None])).lower(A, b).as_text()
-    assert "custom_call" in lapack  # (the check sees a library call where there is one: LU, LAPACK's or cuSOLVER's)
+    assert targets(lapack) - {"warpnn_native_forward"}  # (the check sees a library call where there is one)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_cholesky_kernels_equal_their_references(dtype):
+    """The rules' factorization and solve (Warp kernels, one thread per matrix) against the same arithmetic in JAX
+    and against NumPy, for a batch of any shape, float32 and float64."""
+    from warpnn_models._cholesky import cholesky, cholesky_reference, cholesky_solve, cholesky_solve_reference
+
+    rng = np.random.default_rng(3)
+    B = rng.standard_normal((2, 3, 9, 9))
+    A_np, b_np = B @ np.swapaxes(B, -1, -2) + 9 * np.eye(9), rng.standard_normal((2, 3, 9))
+    with jax.enable_x64(dtype == np.float64):
+        A, b = jnp.asarray(A_np, dtype), jnp.asarray(b_np, dtype)
+        L = jax.jit(cholesky)(A)
+        assert L.dtype == dtype and L.shape == A.shape
+        assert_close(L, cholesky_reference(A), rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+        assert_close(L, np.linalg.cholesky(A_np), rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+        x = jax.jit(cholesky_solve)(L, b)
+        assert_close(x, cholesky_solve_reference(L, b), rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-7)
+        assert_close(x, np.linalg.solve(A_np, b_np[..., None])[..., 0], rtol=1e-4 if dtype == np.float32 else 1e-10,
+                     atol=1e-7)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        cholesky(jnp.asarray(A_np, jnp.bfloat16))
