@@ -7,6 +7,7 @@ references of the same arithmetic: :func:`cholesky_reference`, :func:`cholesky_s
 
 # No `from __future__ import annotations`: Warp evaluates kernel annotations.
 
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -49,7 +50,9 @@ def _solve(L: wp.array3d(dtype=Any), b: wp.array2d(dtype=Any), x: wp.array2d(dty
         x[w, j] = entry / L[w, j, j]
 
 
+@functools.cache
 def _wrapped(dtype):
+    """The factorization and the solve for ``dtype`` as ``warpnn.jax_kernel`` calls (concrete overloads)."""
     scalar = wp.float64 if dtype == jnp.float64 else wp.float32
     factor = wp.overload(_factor, [wp.array3d(dtype=scalar), wp.array3d(dtype=scalar)])
     solve = wp.overload(_solve, [wp.array3d(dtype=scalar), wp.array2d(dtype=scalar), wp.array2d(dtype=scalar)])

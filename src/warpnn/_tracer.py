@@ -534,8 +534,8 @@ class WarpProgram:
                 around = set(live)
                 for loop in self._loops.values():
                     if loop.start <= index < loop.end:
-                        around.update(loop.written, (base(k) for op_ in self._ops[loop.start:loop.end]
-                                                     for k in _read_keys(op_)))
+                        around.update(loop.written, (base(k) for body_op in self._ops[loop.start:loop.end]
+                                                     for k in _read_keys(body_op)))
                 for stage in self._stages.values():
                     if stage.start <= index < stage.end:
                         around.update(stage.written)
