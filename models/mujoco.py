@@ -1009,6 +1009,12 @@ def _at(x, k):
     return jnp.take_along_axis(x, jnp.clip(k, 0, 2)[:, None], 1)[:, 0]
 
 
+def _column(R, k):
+    """``R[slot, :, k[slot]]`` for ``R`` of shape (slots, 3, 3): each slot's column ``k`` (kept in 0..2, as
+    :func:`_at`)."""
+    return jnp.take_along_axis(R, jnp.clip(k, 0, 2)[:, None, None], 2)[:, :, 0]
+
+
 def _capsule_box_segment(p, axis, half, size):
     """Where ``capsule_box`` puts its spheres along the capsule (in the box's frame: centre ``p``, unit axis
     ``axis``, half length ``half``; the box's half-extents ``size``): the first sphere at ``p + h * first`` (``h =
@@ -1152,11 +1158,11 @@ def _box_box_axis(rot, pos21, pos12, size1, size2, septol):
             best, code = jnp.where(better, sep, best), jnp.where(better, 6 + 3 * i + j, code)
     edge_i, edge_j = jnp.clip(code - 6, 0, 8) // 3, jnp.clip(code - 6, 0, 8) % 3
     i1, i2 = (edge_i + 1) % 3, (edge_i + 2) % 3
-    column = jnp.take_along_axis(rot, edge_j[:, None, None], 2)[:, :, 0]  # (box 2's edge axis in box 1's frame)
+    column = _column(rot, edge_j)  # (box 2's edge axis in box 1's frame)
     axis = (jax.nn.one_hot(i1, 3, dtype=rot.dtype) * -jnp.take_along_axis(column, i2[:, None], 1)
             + jax.nn.one_hot(i2, 3, dtype=rot.dtype) * jnp.take_along_axis(column, i1[:, None], 1))
     axis = axis / _safe_norm(jnp.where((code >= 6)[:, None], axis, 1.0))  # (a face's: unused, kept finite)
-    face_rot = jnp.take_along_axis(rot, jnp.clip(face_code - 3, 0, 2)[:, None, None], 2)[:, :, 0]
+    face_rot = _column(rot, face_code - 3)
     face_axis = jnp.take_along_axis(axis, jnp.clip(face_code, 0, 2)[:, None], 1)[:, 0]
     face_dot = jnp.abs(jnp.where(face_code < 3, face_axis, jnp.sum(axis * face_rot, -1)))
     aliased = (code >= 6) & (face_dot > 0.99) & (best < face_sep + 0.05 * jnp.abs(face_sep) + MJ_MINVAL)
@@ -1174,12 +1180,13 @@ def _box_box_edges(rot, pos21, size1, size2, code, axis):
     i1, i2, j1, j2 = (edge_i + 1) % 3, (edge_i + 2) % 3, (edge_j + 1) % 3, (edge_j + 2) % 3
     axis = jnp.where((jnp.sum(axis * pos21, -1) < 0.0)[:, None], -axis, axis)
     a2 = _matvec_transposed(rot, axis)  # (the axis in box 2's frame)
+
     def ambiguous(direction, k1, k2):  # the first of the two components too small to choose a corner by, or -1
         small = lambda k: jnp.abs(_at(direction, k)) < _BOXBOX_SGNEPS  # noqa: E731
         return jnp.where(small(k1), k1, jnp.where(small(k2), k2, -1))
 
     amb1, amb2 = ambiguous(axis, i1, i2), ambiguous(a2, j1, j2)
-    d2 = jnp.take_along_axis(rot, edge_j[:, None, None], 2)[:, :, 0]
+    d2 = _column(rot, edge_j)
     b = _at(d2, edge_i)
     denom = 1.0 - b * b
     on_i, on_j = jax.nn.one_hot(edge_i, 3, dtype=dtype), jax.nn.one_hot(edge_j, 3, dtype=dtype)
@@ -1250,9 +1257,8 @@ def _box_box_faces(rot, pos21, pos12, rot1, pos1, rot2, pos2, size1, size2, code
     ax, ay, bu, bv = (a + 1) % 3, (a + 2) % 3, (binc + 1) % 3, (binc + 2) % 3
     coords = jnp.stack([ax, ay, a], 1)
     gathered = lambda x: jnp.take_along_axis(x, coords, 1)  # noqa: E731  (x[coords[r]] per slot)
-    column = lambda k: jnp.take_along_axis(rinc, k[:, None, None], 2)[:, :, 0]  # noqa: E731  (rinc[:, k])
-    cx = gathered(posoi + (tinc * _at(sizeinc, binc))[:, None] * column(binc))
-    du, dv = gathered(_at(sizeinc, bu)[:, None] * column(bu)), gathered(_at(sizeinc, bv)[:, None] * column(bv))
+    cx = gathered(posoi + (tinc * _at(sizeinc, binc))[:, None] * _column(rinc, binc))
+    du, dv = (gathered(_at(sizeinc, k)[:, None] * _column(rinc, k)) for k in (bu, bv))
     up = jnp.stack([jnp.ones_like(sgn), jnp.ones_like(sgn), sgn], 1)
     cx = cx * up - jnp.stack([jnp.zeros_like(sgn), jnp.zeros_like(sgn), _at(sizeref, a)], 1)
     du, dv = du * up, dv * up
@@ -1274,7 +1280,7 @@ def _box_box_faces(rot, pos21, pos12, rot1, pos1, rot2, pos2, size1, size2, code
     on = lambda k: jax.nn.one_hot(k, 3, dtype=dtype)  # noqa: E731
     local = (on(ax) * v[:, :1] + on(ay) * v[:, 1:2]
              + on(a) * (sgn * (_at(sizeref, a) + 0.5 * v[:, 2]))[:, None])
-    normal = jnp.where(ref1, sgn, -sgn)[:, None] * jnp.take_along_axis(matref, a[:, None, None], 2)[:, :, 0]
+    normal = jnp.where(ref1, sgn, -sgn)[:, None] * _column(matref, a)
     dist = jnp.where(cid < naccept, v[:, 2], MJ_MAXVAL)
     return dist, _matvec(matref, local) + posref, normal
 
