@@ -1051,8 +1051,10 @@ def test_each_pairs_contacts_equal_mujoco_warps_and_differentiate(pair):
     arrays = [wp.array(a, dtype=t) for a, t in zip(geoms, (wp.vec3, wp.mat33, wp.vec3) * 2 + (int,))]
     out = wp.empty(512, float), wp.empty(512, wp.vec3), wp.empty(512, wp.mat33)
     wp.launch(_mujoco_warps_contact, 512, inputs=[PAIRS.index(pair), *arrays], outputs=list(out))
-    got = _PAIR_CONTACTS[pair](*(jnp.asarray(a, jnp.float32 if a.dtype.kind == "f" else jnp.int32) for a in geoms),
-                               {"band": jnp.zeros(512, jnp.float32)})  # (acceptance band 0, as the kernel above)
+    # (at the precision rules run at, ``_stage_rules._full_float32``: XLA's GPU default rounds matmuls to TF32)
+    with jax.default_matmul_precision("highest"):
+        got = _PAIR_CONTACTS[pair](*(jnp.asarray(a, jnp.float32 if a.dtype.kind == "f" else jnp.int32) for a in geoms),
+                                   {"band": jnp.zeros(512, jnp.float32)})  # (acceptance band 0, as the kernel above)
     # (a pair of capsules that are not parallel has no second contact, two boxes touching at an edge one: inf)
     made = np.abs(out[0].numpy()) < 1e6
     assert made.mean() > 0.6
