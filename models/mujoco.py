@@ -376,6 +376,9 @@ def _position_rule(m):
         reads=lambda opt_timestep, qpos_in, qvel_in, **_: {"opt_timestep": opt_timestep, "qpos_in": qpos_in,
                                                            "qvel_in": qvel_in},
         writes=lambda qpos_out, **_: {"qpos_out": qpos_out},
+        # (every slot of qpos is some joint's, so the launch overwrites all of qpos_out: RK4's stages write it over
+        # the last stage's positions, Euler's over qpos_in itself)
+        ignores=lambda qpos_out, **_: {"qpos_out": qpos_out},
     )
 
 
