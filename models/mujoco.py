@@ -218,9 +218,11 @@ def _stage_rules(m) -> list:
         context=lambda m, d: {"nefc": d.nefc, "efc.state": d.efc.state, **({
             "efc.id": d.efc.id, "contact.dim": d.contact.dim, "contact.efc_address": d.contact.efc_address}
             if elliptic else {})},
-        # the warm start does not move a converged solution; qfrc_smooth = M qacc_smooth is read through both;
-        # the rest is overwritten
-        ignores=lambda m, d: {"qacc_warmstart": d.qacc_warmstart, "qfrc_smooth": d.qfrc_smooth,
+        # the warm start does not move a converged solution, nor does the CG solver's preconditioner (the
+        # inertia's factor, qLD and qLDiagInv: it steers the iterations, not where they converge);
+        # qfrc_smooth = M qacc_smooth is read through both; the rest is overwritten
+        ignores=lambda m, d: {"qacc_warmstart": d.qacc_warmstart, "qLD": d.qLD, "qLDiagInv": d.qLDiagInv,
+                              "qfrc_smooth": d.qfrc_smooth,
                               "qfrc_constraint": d.qfrc_constraint, "efc.Ma": d.efc.Ma, "qacc": d.qacc,
                               # (with elliptic cones the solver's Hessian skips contacts by their distance: a
                               # choice of the active set, which efc.state holds)

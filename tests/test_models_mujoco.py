@@ -567,6 +567,27 @@ def test_cartpole_with_joint_limit_equals_mujoco_warp_and_differentiates_through
         np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
 
 
+@pytest.mark.slow  # (23 s of a 2-core CPU, the CG solver's kernels compiled anew: the suite's 10 minutes)
+def test_the_cg_solver_differentiates():
+    """mujoco_warp's CG solver preconditions its iterations with the inertia's factor (``qLD``, ``qLDiagInv``),
+    which the solver's rule ignores: it steers the iterations, not the solution they converge to, which is what the
+    rule differentiates (reverse mode refused CG before: the rule did not account for those arrays). The cart
+    driven into its limit with ``solver="CG"``: 50 steps equal mujoco_warp's, and the gradient through them w.r.t.
+    the control and the initial velocity matches central differences of mj_step's CG (1e-2 asked, the constraint
+    tier)."""
+    mjm, mjd = start(CARTPOLE.replace('iterations="4"', 'iterations="50" solver="CG"'), qpos=[0.0, 0.2],
+                     qvel=[1.0, 0.0])
+    mjd.ctrl[:] = 0.3
+    step = MujocoStep(mjm, mjd)
+    assert step.reverse_refusals() == {}
+    ctrls = np.full((T, 1, 1), 0.3, np.float32)
+    _, traj = jax.jit(lambda s, c: rollout(step, s, {"ctrl": c}))(step.initial_state(), ctrls)
+    qpos, _ = mujoco_warp_loop(mjm, mjd, ctrls)
+    np.testing.assert_allclose(np.asarray(traj["qpos"]), qpos, rtol=0, atol=1e-5)
+    assert np.asarray(traj["nefc"]).max() >= 1
+    assert assert_gradients_match_mj_step(step, mjm, mjd, T, np.array([1.0, -0.5, 0.3, 0.7]), ()) >= 1
+
+
 # An arm driven by each kind of actuator: a position servo (kp, kv), a velocity servo, a clamped motor with a gear,
 # and a general affine actuator with first-order activation dynamics (a filter: an `act` state); a joint spring,
 # and joint friction on two joints (frictionloss: a row of the constraint solver per dof).
