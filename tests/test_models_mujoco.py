@@ -503,6 +503,80 @@ def test_the_implicit_integrators_step_as_mujoco_warp_and_refuse_reverse_mode(in
         jax.grad(lambda qvel: jnp.sum(step({**state, "qvel": qvel})["qpos"]))(state["qvel"])
 
 
+# MuJoCo options and elements the other tests do not reach, each a small change to a scene above: (scene, how the
+# MJCF changes, initial qpos, qvel, the parameters differentiated, tolerance: 1e-3 smooth, 1e-2 with contacts)
+OPTIONS = {
+    "fluid forces (ellipsoid model, wind)": (
+        ARM, lambda xml: xml.replace('iterations="4"', 'iterations="4" density="1.2" viscosity="0.5" wind="0.5 0 0.3"')
+        .replace('mass="1"/>', 'mass="1" fluidshape="ellipsoid"/>'), [0.3, -0.5], [0.5, -1.0], ("dof_damping",), 1e-3),
+    "gravity compensation": (
+        TREE, lambda xml: xml.replace('<body name="thigh" pos="0.15 0 0.1">',
+                                      '<body name="thigh" pos="0.15 0 0.1" gravcomp="0.5">'),
+        None, None, ("body_mass",), 1e-3),
+    "a joint equality": (
+        ARM, lambda xml: xml.replace("</worldbody>", '</worldbody><equality><joint joint1="elbow" joint2="shoulder" '
+                                     'polycoef="0 -0.5 0 0 0"/></equality>'), [0.3, -0.5], [0.5, -1.0],
+        ("dof_damping",), 1e-3),
+    "a limited fixed tendon": (
+        ARM, lambda xml: xml.replace("</worldbody>", '</worldbody><tendon><fixed name="t" limited="true" '
+                                     'range="-0.2 0.2"><joint joint="shoulder" coef="1"/><joint joint="elbow" '
+                                     'coef="-1"/></fixed></tendon>'), [0.3, -0.5], [0.5, -1.0], ("dof_damping",), 1e-3),
+    "a joint limit's margin and solref": (
+        ARM, lambda xml: xml.replace('damping="0.1"/>\n      <geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.05"',
+                                     'damping="0.1" limited="true" range="-25 25" margin="0.05" solreflimit="0.03 1"/>'
+                                     '\n      <geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.05"'),
+        [0.3, -0.5], [0.5, -1.0], ("jnt_solref", "jnt_margin"), 1e-3),
+    "Euler without implicit damping": (
+        ARM, lambda xml: xml.replace('<flag contact="disable"/>', '<flag contact="disable" eulerdamp="disable"/>'),
+        [0.3, -0.5], [0.5, -1.0], ("dof_damping",), 1e-3),
+    "torsional and rolling friction, pyramidal cones": (
+        BOX, lambda xml: xml.replace('mass="1"/>', 'mass="1" condim="6"/>'), [0, 0, 0.1005, 0.995, 0.0998, 0, 0],
+        [0.3, 0.0, -0.2, 0.0, 0.0, 1.0], ("geom_friction",), 1e-2),
+}
+
+
+@pytest.mark.slow  # (a traced model each, 15-25 s of a 2-core CPU)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_model_options_differentiate(option):
+    """Each option steps as mujoco_warp does (10 steps) and its gradient through 1 and 10 steps w.r.t. the controls,
+    the initial velocity and the parameters it brings matches central differences of mj_step (measured, 2026-12-07,
+    CPU: <= 2e-5 relative but torsional and rolling friction's 1.7e-3)."""
+    scene, change, qpos, qvel, fields, tolerance = OPTIONS[option]
+    mjm = mujoco.MjModel.from_xml_string(change(scene))
+    assert change(scene) != scene  # (the text the change looks for is there)
+    mjm.body_sameframe[:] = 0  # (see the tree fixture)
+    mjd = mujoco.MjData(mjm)
+    mjd.qpos[:] = mjm.qpos0 if qpos is None else qpos
+    if qpos is None:
+        mjd.qpos[7:9] = [0.3, -0.4]
+    mjd.qvel[:] = 0.3 if qvel is None else qvel
+    mjd.ctrl[:] = 0.2
+    mujoco.mj_forward(mjm, mjd)
+    step = MujocoStep(mjm, mjd, param_fields=fields)
+    assert step.reverse_refusals() == {}
+    s0 = step.initial_state()  # (with the controls, where the model has actuators)
+    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(s0)
+    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd)
+    for _ in range(10):
+        mjw.step(m, d)
+    np.testing.assert_allclose(np.asarray(final["qpos"]), d.qpos.numpy(), rtol=0, atol=1e-5)
+    weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
+    for steps in (1, 10):
+        def loss(qvel, params, ctrl):
+            controls = {"ctrl": ctrl} if mjm.nu else {}
+            final, _ = rollout(step, {**s0, "qvel": qvel, **controls}, params=params, num_steps=steps)
+            return weighted_state(final, weights)
+
+        got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params(),
+                                                          jnp.asarray(mjd.ctrl[None], jnp.float32))
+        checks = [(got[0], lambda m, d: d.qvel)] + [(got[2], lambda m, d: d.ctrl)] * bool(mjm.nu)
+        checks += [(got[1][name], lambda m, d, name=name: getattr(m, name)) for name in fields]
+        for value, where in checks:
+            expected = mj_step_gradient(mjm, mjd, steps, weights, where)
+            np.testing.assert_allclose(np.ravel(value), expected, rtol=tolerance,
+                                       atol=tolerance * max(np.abs(expected).max(), 1e-6))
+
+
 @pytest.mark.slow  # (17 s of CI's CPU: a forward-only check of the sparse layout; the dense one runs there)
 def test_cartpole_with_joint_limit_equals_mujoco_warp_with_a_sparse_jacobian():
     """Cart driven into its rail limit (the constraint solver engages from ~step 30), traced with a sparse
