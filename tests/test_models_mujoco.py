@@ -249,6 +249,7 @@ def test_arm_vmap_equals_single_runs(arm):
     assert np.abs(np.asarray(batched["qpos"][0] - batched["qpos"][2])).max() > 0.1
 
 
+@pytest.mark.slow  # (16 s of CI's CPU: the suite's 10 minutes; the forward's vmap test runs there)
 def test_arm_vmap_of_the_gradient_equals_single_gradients(arm):
     """jax.vmap of jax.grad through 5 steps over 3 initial states equals each state's gradient alone (measured 0.0):
     the rules' solves (Warp kernels inside lax.custom_linear_solve) batch under vmap."""
@@ -796,7 +797,9 @@ ARMATURE_TENDON = TENDON.replace('springlength="0.1"', 'springlength="0.1" armat
     '<motor tendon="t" gear="1.5"/>', '<motor tendon="t" gear="1.5" armature="0.02"/>')
 
 
-@pytest.mark.parametrize("steps", ONE_AND_TEN_STEPS)
+# (both slow: 17 s of CI's CPU for one step; the fixed tendon's spring, damper and motor run there)
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [1, 10])
 def test_tendon_armature_and_friction_loss_differentiate(steps):
     """``smooth._tendon_armature`` (a while loop over the tendon's sparse Jacobian row, refused) by a rule, the
     friction loss through the solver's rule (its row LINEARNEG / LINEARPOS): jax.grad through 1 and 10 steps w.r.t.
