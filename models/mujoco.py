@@ -29,15 +29,16 @@ step of mujoco_warp's humanoid (<= 4e-5), and through the cart-pole's active lim
 adjoint gets right are differentiated by rules (:func:`_stage_rules`, ``warpnn.StageRule``): the inertia solve, the
 constraint solver (its optimality conditions at the solution), the primitive narrowphase and the contact Jacobian
 (recomputed in JAX), tree walks over branches that share bodies, springs and dampers (right where mujoco_warp skips
-a zero coefficient), the position update (its quaternion integration, right at zero angular velocity); the other
+a zero coefficient), the position update (its quaternion integration, right at zero angular velocity), the
+velocity derivative ``implicitfast`` solves with (:func:`_implicitfast_rule`); the other
 kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
 cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, a capsule's with capsules and
 boxes, two boxes (with ``nativeccd`` disabled: else mujoco_warp collides them by GJK/EPA), a mesh on a plane (other
-mesh and convex pairs are refused), a sparse constraint Jacobian, spatial tendons. Elliptic friction cones
-differentiate (the contact rows by a rule, the solver's rule with the cone's force). See
-``docs/mujoco.md``.
+mesh and convex pairs are refused), a sparse constraint Jacobian, spatial tendons, the ``implicit`` integrator.
+Elliptic friction cones differentiate (the contact rows by a rule, the solver's rule with the cone's force), and so
+do the Euler, RK4 and ``implicitfast`` integrators and the Newton and CG solvers. See ``docs/mujoco.md``.
 
 Example::
 
@@ -231,7 +232,7 @@ def _stage_rules(m) -> list:
     )
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
              _tendon_armature_rule(m), _tendon_dot_rule(m), *_transmission_rule(m), *_tree_rules(m),
-             *_contact_rules(m), *([_elliptic_rows_rule(m)] if elliptic else [])]
+             *_contact_rules(m), *([_elliptic_rows_rule(m)] if elliptic else []), *_implicitfast_rule(m)]
     return _for_this_mujoco_warp(rules)
 
 
@@ -539,6 +540,94 @@ def _quat_difference(q, ref):
     speed = 2.0 * jnp.arctan2(s, w)
     speed = jnp.where(speed > jnp.pi, speed - 2.0 * jnp.pi, speed)
     return axis * jnp.where(nonzero, speed / jnp.where(nonzero, s, 1.0), 2.0 / jnp.where(nonzero, 1.0, w))
+
+
+def _implicitfast_rule(m) -> list:
+    """``derivative.deriv_smooth_vel(m, d, out)`` by a rule, for the ``implicitfast`` integrator: ``out = M - dt
+    qDeriv`` in ``M``'s sparse layout, ``qDeriv`` the velocity derivative of the actuator and passive forces, which
+    the step then solves with (``smooth.factor_solve_i``, whose rule covers it). Its kernels leave loops early and
+    measure arrays inside ``@wp.func``s after use, which Warp's adjoint gets wrong (refused). The rule: each
+    actuator's ``d force / d velocity`` (an affine bias's ``biasprm[2]``, an affine gain's ``gainprm[2]`` times its
+    control; 0 where ``forcerange`` clamps the force, as the kernel) times its moment's outer product, minus each
+    dof's damping and its polynomial's derivative on the diagonal. Covered: gains fixed or affine, biases none or
+    affine, no activation dynamics, no joint or tendon actuator-force limits, no actuator damping, no tendons, no
+    fluid forces, no control delays, actuation and damping enabled; for anything else the rule refuses, naming it,
+    and so does reverse mode through the stage.
+    """
+    import numpy as np
+    from mujoco_warp._src import derivative, types
+
+    if m.opt.integrator != types.IntegratorType.IMPLICITFAST:
+        return []
+
+    def host(a):
+        return np.asarray(a.numpy())
+
+    gaintype, biastype, dyntype = host(m.actuator_gaintype), host(m.actuator_biastype), host(m.actuator_dyntype)
+    off = int(m.opt.disableflags) & (int(types.DisableBit.ACTUATION) | int(types.DisableBit.DAMPER))
+    unsupported = [reason for reason, present in (
+        ("a gain other than fixed or affine", ~np.isin(gaintype, (types.GainType.FIXED, types.GainType.AFFINE))),
+        ("a bias other than none or affine", ~np.isin(biastype, (types.BiasType.NONE, types.BiasType.AFFINE))),
+        ("activation dynamics", dyntype != int(types.DynType.NONE)),
+        ("a joint's actuator-force limit", host(m.jnt_actfrclimited)),
+        ("actuator damping", np.abs(host(m.actuator_damping)) + np.abs(host(m.actuator_dampingpoly)).sum(-1) > 0),
+        ("tendons", np.array([m.ntendon > 0])), ("fluid forces", np.array([bool(m.has_fluid)])),
+        ("control delays", np.array([getattr(m, "nhistory", 0) > 0])),
+        ("actuation or damping disabled", np.array([off != 0]))) if np.any(present)]
+    affine_gain = (gaintype == int(types.GainType.AFFINE)).astype(np.float32)
+    affine_bias = (biastype == int(types.BiasType.AFFINE)).astype(np.float32)
+    forcelimited, nv = host(m.actuator_forcelimited), m.nv
+    rownnz, rowadr, colind = (host(a) for a in (m.M_rownnz, m.M_rowadr, m.M_colind))
+    entries = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)]).astype(np.int32)
+    rows = np.repeat(np.arange(nv), rownnz).astype(np.int32)
+    cols = colind[entries].astype(np.int32)
+
+    def rule(before, after):
+        if unsupported:
+            raise NotImplementedError("the implicitfast rule (derivative.deriv_smooth_vel) does not cover "
+                                      + ", ".join(unsupported) + ", which this model has")
+        qvel, M = before["qvel"], before["M"]
+        nworld, dtype = qvel.shape[0], qvel.dtype
+        timestep = _per_world(before["opt.timestep"], nworld)
+        # each actuator's d force / d velocity, and its moment as a dense row (sparse rows in the data: the entry e
+        # belongs to the last actuator whose row starts at or before it)
+        vel = (_per_world(before["actuator_biasprm"], nworld)[..., 2] * affine_bias
+               + _per_world(before["actuator_gainprm"], nworld)[..., 2] * affine_gain * before["ctrl"])
+        if forcelimited.any():
+            force, limits = after["actuator_force"], _per_world(after["actuator_forcerange"], nworld)
+            clamped = forcelimited & ((force <= limits[..., 0]) | (force >= limits[..., 1]))
+            vel = jnp.where(clamped, 0.0, vel)
+        moment, start, count = before["actuator_moment"], after["moment_rowadr"], after["moment_rownnz"]
+        element = jnp.arange(moment.shape[1])
+        owner = jnp.sum(element[None, None, :] >= start[:, :, None], 1) - 1  # (world, entry)
+        mine = jax.nn.one_hot(owner, vel.shape[1], dtype=dtype) * (
+            element[None, :] < jnp.take_along_axis(start + count, jnp.maximum(owner, 0), 1))[..., None]
+        dense = jnp.einsum("wea,we,wev->wav", mine, moment, jax.nn.one_hot(after["moment_colind"], nv, dtype=dtype),
+                           precision=jax.lax.Precision.HIGHEST)  # (world, actuator, dof)
+        qderiv = jnp.einsum("wa,wai,waj->wij", vel, dense, dense, precision=jax.lax.Precision.HIGHEST)
+        damping = _per_world(before["dof_damping"], nworld)
+        poly = _per_world(before["dof_dampingpoly"], nworld)
+        speed = jnp.abs(qvel[:, :nv])
+        qderiv -= jax.vmap(jnp.diag)(damping + 2.0 * poly[..., 0] * speed + 3.0 * poly[..., 1] * speed * speed)
+        out = M[:, entries] - timestep[:, None] * qderiv[:, rows, cols]
+        return {"out": after["out"].at[:, entries].set(out)}
+
+    return [warpnn.StageRule(
+        derivative, "deriv_smooth_vel", rule,
+        reads=lambda m, d, out: {"M": d.M, "qvel": d.qvel, "ctrl": d.ctrl, "actuator_moment": d.actuator_moment,
+                                 "opt.timestep": m.opt.timestep, "actuator_biasprm": m.actuator_biasprm,
+                                 "actuator_gainprm": m.actuator_gainprm, "dof_damping": m.dof_damping,
+                                 "dof_dampingpoly": m.dof_dampingpoly},
+        writes=lambda m, d, out: {"out": out},
+        context=lambda m, d, out: {"actuator_force": d.actuator_force,
+                                   "actuator_forcerange": m.actuator_forcerange, "moment_rowadr": d.moment_rowadr,
+                                   "moment_rownnz": d.moment_rownnz, "moment_colind": d.moment_colind},
+        # (what the covered actuators' derivative does not depend on: activation, lengths, velocities, the forces
+        # but for the clamp test, a choice with no derivative; out is zeroed first)
+        ignores=lambda m, d, out: {"act": d.act, "act_dot": d.act_dot, "actuator_length": d.actuator_length,
+                                   "actuator_velocity": d.actuator_velocity, "qfrc_actuator": d.qfrc_actuator,
+                                   "actuator_force": d.actuator_force},
+    )]
 
 
 def _applied_force_rule(m):

@@ -352,7 +352,7 @@ def assert_gradients_match_mj_step(step, mjm, mjd, steps, weights, fields):
     """jax.grad of ``weights . [qpos; qvel]`` after ``steps`` replayed steps from ``mjd``'s state w.r.t. the
     controls, the initial velocity and the model parameters ``fields`` matches central differences of mj_step
     (``mj_step_gradient``) to 1e-3 relative. Returns the most constraint rows a step had."""
-    s0 = step.initial_state()
+    s0 = {**step.initial_state(), "qpos": jnp.asarray(mjd.qpos[None], jnp.float32)}
 
     def loss(params, ctrl, qvel):
         final, _ = rollout(step, {**s0, "ctrl": ctrl, "qvel": qvel}, params=params, num_steps=steps)
@@ -425,6 +425,7 @@ def with_integrator(xml, integrator):
     return xml.replace("<option ", f'<option integrator="{integrator}" ', 1)
 
 
+@pytest.mark.slow  # (24 s of CI's CPU with Warp's cache empty; implicitfast's servo arm runs there)
 def test_rk4_steps_equal_mujoco_warps_and_differentiate():
     """MuJoCo's RK4 integrator (four forward passes a step, the positions of each stage written over the last
     stage's): 10 replayed steps of the arm equal mujoco_warp's, and jax.grad through them w.r.t. the controls, the
@@ -482,25 +483,90 @@ def test_rk4_differentiates_free_and_ball_joints_and_contacts(scene):
             np.testing.assert_allclose(np.ravel(value), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("integrator", ["implicitfast", pytest.param("implicit", marks=pytest.mark.slow)])
-def test_the_implicit_integrators_step_as_mujoco_warp_and_refuse_reverse_mode(integrator):
-    """``implicit`` and ``implicitfast`` (the velocity derivative of the forces in the inertia): the forward
-    replays mujoco_warp's launches, equal to its steps; reverse mode is refused at trace time, naming the
-    derivative kernels whose Warp adjoint cannot be right (and, for ``implicit``, the LU factorization), never a
-    silent gradient."""
-    mjm, mjd = start(with_integrator(ARM, integrator), qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+# An arm of servos for implicitfast (the integrator MuJoCo recommends for them): a position servo with velocity
+# feedback and a force range on the shoulder, a velocity servo on the elbow, joint damping.
+SERVO_ARM = with_integrator(ARM, "implicitfast").replace(
+    '<motor joint="shoulder" gear="1"/>', '<position joint="shoulder" kp="20" kv="2" forcerange="-3 3"/>').replace(
+    '<motor joint="elbow" gear="1"/>', '<velocity joint="elbow" kv="1.5"/>')
+SERVO_FIELDS = ("dof_damping", "actuator_gainprm", "actuator_biasprm")
+
+
+def servo_arm(ctrl):
+    mjm, mjd = start(SERVO_ARM, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    mjd.ctrl[:] = ctrl
+    mujoco.mj_forward(mjm, mjd)
+    return mjm, mjd
+
+
+def test_implicitfast_steps_equal_mujoco_warps_and_differentiate():
+    """implicitfast solves with ``M - dt qDeriv``, the forces' velocity derivative, which mujoco_warp computes in
+    kernels Warp's adjoint gets wrong (``derivative._qderiv_*``: refused before); its rule
+    (warpnn_models.mujoco._implicitfast_rule) computes it from the servos' ``kv`` and the joints' damping. 10 steps
+    of the servo arm equal mujoco_warp's, and the gradient through them w.r.t. the controls, the initial velocity,
+    damping, gains and biases matches central differences of mj_step's implicitfast (1e-3 relative; measured
+    2026-12-07, CPU: within it, also with ``dof_dampingpoly`` set)."""
+    mjm, mjd = servo_arm([0.25, -0.1])
+    step = MujocoStep(mjm, mjd, param_fields=SERVO_FIELDS)
+    assert step.reverse_refusals() == {}
+    assert "stage mujoco_warp._src.derivative.deriv_smooth_vel (" in step.program.describe()
+    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(step.initial_state())
+    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd)
+    for _ in range(10):
+        mjw.step(m, d)
+    np.testing.assert_allclose(np.asarray(final["qpos"]), d.qpos.numpy(), rtol=0, atol=1e-6)
+    assert_gradients_match_mj_step(step, mjm, mjd, 10, np.array([1.0, -0.5, 0.3, 0.7]), SERVO_FIELDS)
+
+
+@pytest.mark.slow  # (two traced models, ~35 s of a 2-core CPU; the servo arm's test runs in CI)
+def test_implicitfast_differentiates_a_clamped_servo_and_free_and_ball_joints():
+    """The shoulder servo's force clamped at its range (its ``kv`` then leaves ``qDeriv``, as in the kernel), and the
+    tree's free and ball joints under implicitfast (turned and at rest): gradients match mj_step's central
+    differences (1e-3 relative; the tree measured <= 8.2e-6, 2026-12-07, CPU)."""
+    mjm, mjd = servo_arm([2.0, -0.1])
+    assert mjd.actuator_force[0] == 3.0  # (clamped)
+    step = MujocoStep(mjm, mjd, param_fields=SERVO_FIELDS)
+    assert_gradients_match_mj_step(step, mjm, mjd, 10, np.array([1.0, -0.5, 0.3, 0.7]), SERVO_FIELDS)
+
+    mjm = mujoco.MjModel.from_xml_string(with_integrator(TREE, "implicitfast"))
+    mjm.body_sameframe[:] = 0  # (see the tree fixture)
+    mjd = mujoco.MjData(mjm)
+    step = MujocoStep(mjm, mjd, param_fields=("body_mass", "dof_damping"))
+    assert step.reverse_refusals() == {}
+    for shoulder, qvel in (([0.9, 0.2, -0.3, 0.1], np.random.default_rng(0).normal(size=mjm.nv) * 0.5),
+                           ([1.0, 0.0, 0.0, 0.0], np.zeros(mjm.nv))):
+        mjd.qpos[:] = mjm.qpos0
+        mjd.qpos[7:14] = [0.3, -0.4, *np.array(shoulder) / np.linalg.norm(shoulder), 0.05]
+        mjd.qvel[:], mjd.ctrl[:] = qvel, [0.2, -0.1, 0.3]
+        assert_gradients_match_mj_step(step, mjm, mjd, 1, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv),
+                                       ("body_mass", "dof_damping"))
+
+
+@pytest.mark.parametrize("case", ["implicit", "implicitfast with fluid forces"])
+def test_what_the_implicit_rules_do_not_cover_steps_as_mujoco_warp_and_refuses_reverse_mode(case):
+    """The ``implicit`` integrator (its LU factorization and the derivative kernels have no rule) and implicitfast
+    with what its rule does not cover (fluid forces here): the forward replays mujoco_warp's launches, equal to its
+    steps; reverse mode is refused at trace time, naming the kernels or the stage and what it does not cover, never
+    a silent gradient."""
+    xml = with_integrator(ARM, case.split()[0])
+    if case != "implicit":
+        xml = xml.replace('iterations="4"', 'iterations="4" density="1.2" viscosity="0.5"')
+    mjm, mjd = start(xml, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     step = MujocoStep(mjm, mjd)
     refused = step.reverse_refusals()
-    assert any("_qderiv_actuator_passive" in kernel for kernel in refused)
-    if integrator == "implicit":
+    if case == "implicit":
+        assert any("_qderiv_actuator_passive" in kernel for kernel in refused)
         assert any("_factor_solve_lu" in kernel for kernel in refused)
+        refusal = "cannot be differentiated"
+    else:
+        assert "fluid forces" in refused["mujoco_warp._src.derivative.deriv_smooth_vel"]
+        refusal = "deriv_smooth_vel.*fluid forces"
     final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(step.initial_state())
     m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd)
     for _ in range(10):
         mjw.step(m, d)
     np.testing.assert_allclose(np.asarray(final["qpos"]), d.qpos.numpy(), rtol=0, atol=1e-6)
     state = step.initial_state()
-    with pytest.raises(TypeError, match="cannot be differentiated"):
+    with pytest.raises(TypeError, match=refusal):
         jax.grad(lambda qvel: jnp.sum(step({**state, "qvel": qvel})["qpos"]))(state["qvel"])
 
 
