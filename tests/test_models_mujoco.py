@@ -541,7 +541,9 @@ def test_implicitfast_differentiates_a_clamped_servo_and_free_and_ball_joints():
                                        ("body_mass", "dof_damping"))
 
 
-@pytest.mark.parametrize("case", ["implicit", "implicitfast with fluid forces"])
+# (implicit: slow, 19 s of CI's CPU, its LU kernels compiled anew; the refusal of what implicitfast's rule does not
+# cover runs there)
+@pytest.mark.parametrize("case", [pytest.param("implicit", marks=pytest.mark.slow), "implicitfast with fluid forces"])
 def test_what_the_implicit_rules_do_not_cover_steps_as_mujoco_warp_and_refuses_reverse_mode(case):
     """The ``implicit`` integrator (its LU factorization and the derivative kernels have no rule) and implicitfast
     with what its rule does not cover (fluid forces here): the forward replays mujoco_warp's launches, equal to its
