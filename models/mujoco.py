@@ -88,14 +88,22 @@ def data_arrays(obj) -> dict[str, wp.array]:
     return found
 
 
+def _inertia_entries(m):
+    """``M``'s CSR layout (the lower triangle, ``(nworld, nC)``) as index arrays: each stored entry's place in a
+    row of ``M`` and its row and column in the matrix."""
+    import numpy as np
+
+    rownnz, rowadr, colind = (np.asarray(a.numpy()) for a in (m.M_rownnz, m.M_rowadr, m.M_colind))
+    entries = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)]).astype(np.int32)
+    rows = np.repeat(np.arange(m.nv), rownnz).astype(np.int32)
+    return entries, rows, colind[entries].astype(np.int32)
+
+
 def _inertia_to_dense(m) -> Callable[[jax.Array], jax.Array]:
     """``M`` in mujoco_warp's CSR layout (the lower triangle, ``(nworld, nC)``) -> dense ``(nworld, nv, nv)``."""
     import numpy as np
 
-    rownnz, rowadr, colind = (np.asarray(a.numpy()) for a in (m.M_rownnz, m.M_rowadr, m.M_colind))
-    where = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)]).astype(np.int32)
-    rows = np.repeat(np.arange(m.nv), rownnz).astype(np.int32)
-    cols = colind[where].astype(np.int32)
+    where, rows, cols = _inertia_entries(m)
     # dense[w, i, j] = M[w, k] for the CSR entry k of (i, j) or (j, i), else 0: one gather, where building the
     # matrix by scatters costs more on a GPU. Its reverse gathers too (M's entry k has the cotangents of (i, j) and
     # (j, i)): as the gather's transpose, XLA scatter-adds every dense entry, atomics on a GPU, and with the zeros
@@ -577,10 +585,7 @@ def _implicitfast_rule(m) -> list:
     affine_gain = (gaintype == int(types.GainType.AFFINE)).astype(np.float32)
     affine_bias = (biastype == int(types.BiasType.AFFINE)).astype(np.float32)
     forcelimited, nv = host(m.actuator_forcelimited), m.nv
-    rownnz, rowadr, colind = (host(a) for a in (m.M_rownnz, m.M_rowadr, m.M_colind))
-    entries = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)]).astype(np.int32)
-    rows = np.repeat(np.arange(nv), rownnz).astype(np.int32)
-    cols = colind[entries].astype(np.int32)
+    entries, rows, cols = _inertia_entries(m)
 
     def rule(before, after):
         if unsupported:

@@ -348,24 +348,41 @@ def mj_step_gradient(mjm, mjd, steps, weights, where, eps=1e-6):
     return np.array([(loss(i, eps) - loss(i, -eps)) / (2 * eps) for i in range(size)])
 
 
-def assert_gradients_match_mj_step(step, mjm, mjd, steps, weights, fields):
+def assert_gradients_match_mj_step(step, mjm, mjd, steps, weights, fields, rtol=1e-3):
     """jax.grad of ``weights . [qpos; qvel]`` after ``steps`` replayed steps from ``mjd``'s state w.r.t. the
-    controls, the initial velocity and the model parameters ``fields`` matches central differences of mj_step
-    (``mj_step_gradient``) to 1e-3 relative. Returns the most constraint rows a step had."""
+    controls (where the model has actuators), the initial velocity and the model parameters ``fields`` matches
+    central differences of mj_step (``mj_step_gradient``) to ``rtol`` relative. Returns the most constraint rows a
+    step had."""
     s0 = {**step.initial_state(), "qpos": jnp.asarray(mjd.qpos[None], jnp.float32)}
 
     def loss(params, ctrl, qvel):
-        final, _ = rollout(step, {**s0, "ctrl": ctrl, "qvel": qvel}, params=params, num_steps=steps)
+        controls = {"ctrl": ctrl} if mjm.nu else {}
+        final, _ = rollout(step, {**s0, **controls, "qvel": qvel}, params=params, num_steps=steps)
         return weighted_state(final, weights), final["nefc"]
 
     (params, ctrl, qvel), rows = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
         step.initial_params(), jnp.asarray(mjd.ctrl[None], jnp.float32), jnp.asarray(mjd.qvel[None], jnp.float32))
-    checks = [(ctrl, lambda m, d: d.ctrl), (qvel, lambda m, d: d.qvel)]
+    checks = [(ctrl, lambda m, d: d.ctrl)] * bool(mjm.nu) + [(qvel, lambda m, d: d.qvel)]
     checks += [(params[f], lambda m, d, f=f: getattr(m, f)) for f in fields]
     for got, where in checks:
         expected = mj_step_gradient(mjm, mjd, steps, weights, where)
-        np.testing.assert_allclose(np.ravel(got), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+        np.testing.assert_allclose(np.ravel(got), expected, rtol=rtol, atol=rtol * np.abs(expected).max())
     return int(np.asarray(rows).max())
+
+
+def assert_ten_steps_equal_mujoco_warps(step, mjm, mjd, atol=1e-6):
+    """10 replayed steps from the step's initial state end where mujoco_warp, run directly from ``mjd``, does."""
+    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(step.initial_state())
+    np.testing.assert_allclose(np.asarray(final["qpos"]), mujoco_warp_loop(mjm, mjd, steps=10)[0][-1], rtol=0,
+                               atol=atol)
+
+
+def tree_pose(mjm, shoulder):
+    """The tree's ``qpos0`` with the leg bent, the ball joint turned to the quaternion ``shoulder`` (normalised) and
+    the tail slid."""
+    qpos = mjm.qpos0.copy()
+    qpos[7:14] = [0.3, -0.4, *np.array(shoulder) / np.linalg.norm(shoulder), 0.05]
+    return qpos
 
 
 def test_arm_has_no_refused_kernel_and_differentiates_its_stages_by_rules(arm):
@@ -436,11 +453,7 @@ def test_rk4_steps_equal_mujoco_warps_and_differentiate():
     mjd.ctrl[:] = [0.2, -0.1]
     step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "actuator_gainprm"))
     assert step.reverse_refusals() == {}
-    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))({**step.initial_state(), "ctrl": mjd.ctrl[None]})
-    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd)
-    for _ in range(10):
-        mjw.step(m, d)
-    np.testing.assert_allclose(np.asarray(final["qpos"]), d.qpos.numpy(), rtol=0, atol=1e-6)
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
     assert_gradients_match_mj_step(step, mjm, mjd, 10, np.array([1.0, -0.5, 0.3, 0.7]),
                                    ("dof_damping", "actuator_gainprm"))
 
@@ -467,9 +480,8 @@ def test_rk4_differentiates_free_and_ball_joints_and_contacts(scene):
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     if scene == "tree":
-        turned, rest = mjm.qpos0.copy(), mjm.qpos0.copy()
-        turned[7:14] = [0.3, -0.4, *np.array([0.9, 0.2, -0.3, 0.1]) / np.linalg.norm([0.9, 0.2, -0.3, 0.1]), 0.05]
-        starts = [(turned, np.random.default_rng(0).normal(size=mjm.nv) * 0.5), (rest, np.zeros(mjm.nv))]
+        starts = [(tree_pose(mjm, [0.9, 0.2, -0.3, 0.1]), np.random.default_rng(0).normal(size=mjm.nv) * 0.5),
+                  (mjm.qpos0, np.zeros(mjm.nv))]
     else:
         starts = [([0, 0, 0.1005, 0.995, 0.0998, 0, 0], [0.3, 0.0, -0.2, 0.0, 0.0, 0.0])]  # touching, tilted, sliding
     for qpos, qvel in starts:
@@ -509,11 +521,7 @@ def test_implicitfast_steps_equal_mujoco_warps_and_differentiate():
     step = MujocoStep(mjm, mjd, param_fields=SERVO_FIELDS)
     assert step.reverse_refusals() == {}
     assert "stage mujoco_warp._src.derivative.deriv_smooth_vel (" in step.program.describe()
-    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(step.initial_state())
-    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd)
-    for _ in range(10):
-        mjw.step(m, d)
-    np.testing.assert_allclose(np.asarray(final["qpos"]), d.qpos.numpy(), rtol=0, atol=1e-6)
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
     assert_gradients_match_mj_step(step, mjm, mjd, 10, np.array([1.0, -0.5, 0.3, 0.7]), SERVO_FIELDS)
 
 
@@ -534,9 +542,7 @@ def test_implicitfast_differentiates_a_clamped_servo_and_free_and_ball_joints():
     assert step.reverse_refusals() == {}
     for shoulder, qvel in (([0.9, 0.2, -0.3, 0.1], np.random.default_rng(0).normal(size=mjm.nv) * 0.5),
                            ([1.0, 0.0, 0.0, 0.0], np.zeros(mjm.nv))):
-        mjd.qpos[:] = mjm.qpos0
-        mjd.qpos[7:14] = [0.3, -0.4, *np.array(shoulder) / np.linalg.norm(shoulder), 0.05]
-        mjd.qvel[:], mjd.ctrl[:] = qvel, [0.2, -0.1, 0.3]
+        mjd.qpos[:], mjd.qvel[:], mjd.ctrl[:] = tree_pose(mjm, shoulder), qvel, [0.2, -0.1, 0.3]
         assert_gradients_match_mj_step(step, mjm, mjd, 1, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv),
                                        ("body_mass", "dof_damping"))
 
@@ -562,11 +568,7 @@ def test_what_the_implicit_rules_do_not_cover_steps_as_mujoco_warp_and_refuses_r
     else:
         assert "fluid forces" in refused["mujoco_warp._src.derivative.deriv_smooth_vel"]
         refusal = "deriv_smooth_vel.*fluid forces"
-    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(step.initial_state())
-    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd)
-    for _ in range(10):
-        mjw.step(m, d)
-    np.testing.assert_allclose(np.asarray(final["qpos"]), d.qpos.numpy(), rtol=0, atol=1e-6)
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
     state = step.initial_state()
     with pytest.raises(TypeError, match=refusal):
         jax.grad(lambda qvel: jnp.sum(step({**state, "qvel": qvel})["qpos"]))(state["qvel"])
@@ -623,27 +625,10 @@ def test_model_options_differentiate(option):
     mujoco.mj_forward(mjm, mjd)
     step = MujocoStep(mjm, mjd, param_fields=fields)
     assert step.reverse_refusals() == {}
-    s0 = step.initial_state()  # (with the controls, where the model has actuators)
-    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(s0)
-    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd)
-    for _ in range(10):
-        mjw.step(m, d)
-    np.testing.assert_allclose(np.asarray(final["qpos"]), d.qpos.numpy(), rtol=0, atol=1e-5)
-    weights = np.linspace(-1.0, 1.0, mjm.nq + mjm.nv)
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd, atol=1e-5)
     for steps in (1, 10):
-        def loss(qvel, params, ctrl):
-            controls = {"ctrl": ctrl} if mjm.nu else {}
-            final, _ = rollout(step, {**s0, "qvel": qvel, **controls}, params=params, num_steps=steps)
-            return weighted_state(final, weights)
-
-        got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jnp.asarray(mjd.qvel[None], jnp.float32), step.initial_params(),
-                                                          jnp.asarray(mjd.ctrl[None], jnp.float32))
-        checks = [(got[0], lambda m, d: d.qvel)] + [(got[2], lambda m, d: d.ctrl)] * bool(mjm.nu)
-        checks += [(got[1][name], lambda m, d, name=name: getattr(m, name)) for name in fields]
-        for value, where in checks:
-            expected = mj_step_gradient(mjm, mjd, steps, weights, where)
-            np.testing.assert_allclose(np.ravel(value), expected, rtol=tolerance,
-                                       atol=tolerance * max(np.abs(expected).max(), 1e-6))
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), fields,
+                                       rtol=tolerance)
 
 
 @pytest.mark.slow  # (17 s of CI's CPU: a forward-only check of the sparse layout; the dense one runs there)
@@ -1100,10 +1085,7 @@ def test_tree_gradient_matches_finite_differences_of_mj_step(tree, steps):
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     for shoulder in ([0.9, 0.2, -0.3, 0.1], [1.0, 0.0, 0.0, 0.0]):  # turned; at the spring's reference
         mjd = mujoco.MjData(mjm)
-        mjd.qpos[:] = mjm.qpos0
-        mjd.qpos[7:9] = [0.3, -0.4]
-        mjd.qpos[9:13] = np.array(shoulder) / np.linalg.norm(shoulder)
-        mjd.qpos[13] = 0.05
+        mjd.qpos[:] = tree_pose(mjm, shoulder)
         mjd.qvel[:] = np.random.default_rng(0).normal(size=mjm.nv) * 0.5
         mjd.ctrl[:] = [0.2, -0.1, 0.3]
         got = grad(*(jnp.asarray(a[None], jnp.float32) for a in (mjd.qpos, mjd.qvel, mjd.ctrl)),
