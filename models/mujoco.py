@@ -554,13 +554,15 @@ def _implicitfast_rule(m) -> list:
     """``derivative.deriv_smooth_vel(m, d, out)`` by a rule, for the ``implicitfast`` integrator: ``out = M - dt
     qDeriv`` in ``M``'s sparse layout, ``qDeriv`` the velocity derivative of the actuator and passive forces, which
     the step then solves with (``smooth.factor_solve_i``, whose rule covers it). Its kernels leave loops early and
-    measure arrays inside ``@wp.func``s after use, which Warp's adjoint gets wrong (refused). The rule: each
-    actuator's ``d force / d velocity`` (an affine bias's ``biasprm[2]``, an affine gain's ``gainprm[2]`` times its
-    control; 0 where ``forcerange`` clamps the force, as the kernel) times its moment's outer product, minus each
-    dof's damping and its polynomial's derivative on the diagonal. Covered: gains fixed or affine, biases none or
-    affine, no activation dynamics, no joint or tendon actuator-force limits, no actuator damping, no tendons, no
-    fluid forces, no control delays, actuation and damping enabled; for anything else the rule refuses, naming it,
-    and so does reverse mode through the stage.
+    measure arrays inside ``@wp.func``s after use, which Warp's adjoint gets wrong (refused). The rule, as the
+    kernels: each actuator's ``d force / d velocity`` (an affine bias's ``biasprm[2]``, plus an affine gain's
+    ``gainprm[2]`` times its control, or with activation dynamics its activation, the next one where ``actearly``;
+    0 where ``forcerange`` clamps the force) times its moment's outer product; minus, on the diagonal, each dof's
+    damping and its polynomial's derivative (the joint's actuators' ``damping`` times gear squared included); minus
+    each tendon's damping (its actuators' included) times ``J_t' J_t``, on ``M``'s entries. Covered: gains fixed or
+    affine, biases none or affine, activation dynamics integrator, filter or filterexact, no joint or tendon
+    actuator-force limits, no fluid forces, no control delays, actuation and damping enabled; for anything else the
+    rule refuses, naming it, and so does reverse mode through the stage.
     """
     import numpy as np
     from mujoco_warp._src import derivative, types
@@ -572,19 +574,30 @@ def _implicitfast_rule(m) -> list:
         return np.asarray(a.numpy())
 
     gaintype, biastype, dyntype = host(m.actuator_gaintype), host(m.actuator_biastype), host(m.actuator_dyntype)
+    dynamics = (types.DynType.INTEGRATOR, types.DynType.FILTER, types.DynType.FILTEREXACT)
     off = int(m.opt.disableflags) & (int(types.DisableBit.ACTUATION) | int(types.DisableBit.DAMPER))
     unsupported = [reason for reason, present in (
         ("a gain other than fixed or affine", ~np.isin(gaintype, (types.GainType.FIXED, types.GainType.AFFINE))),
         ("a bias other than none or affine", ~np.isin(biastype, (types.BiasType.NONE, types.BiasType.AFFINE))),
-        ("activation dynamics", dyntype != int(types.DynType.NONE)),
+        ("activation dynamics other than integrator, filter or filterexact",
+         ~np.isin(dyntype, (types.DynType.NONE, *dynamics))),
         ("a joint's actuator-force limit", host(m.jnt_actfrclimited)),
-        ("actuator damping", np.abs(host(m.actuator_damping)) + np.abs(host(m.actuator_dampingpoly)).sum(-1) > 0),
-        ("tendons", np.array([m.ntendon > 0])), ("fluid forces", np.array([bool(m.has_fluid)])),
+        ("a tendon's actuator-force limit", host(m.tendon_actfrclimited)),
+        ("fluid forces", np.array([bool(m.has_fluid)])),
         ("control delays", np.array([getattr(m, "nhistory", 0) > 0])),
         ("actuation or damping disabled", np.array([off != 0]))) if np.any(present)]
     affine_gain = (gaintype == int(types.GainType.AFFINE)).astype(np.float32)
     affine_bias = (biastype == int(types.BiasType.AFFINE)).astype(np.float32)
-    forcelimited, nv = host(m.actuator_forcelimited), m.nv
+    # the activation an affine gain multiplies (the actuator's last), and how it advances (support.next_act)
+    actadr = host(m.actuator_actadr) + host(m.actuator_actnum) - 1
+    stateful = (dyntype != int(types.DynType.NONE)) & (actadr >= 0)
+    early, exact = host(m.actuator_actearly) & stateful, dyntype == int(types.DynType.FILTEREXACT)
+    actlimited = host(m.actuator_actlimited)
+    forcelimited, nv, dof_jnt = host(m.actuator_forcelimited), m.nv, host(m.dof_jntid)
+    on_joint, on_tendon = _actuators_on(m, tendons=False), _actuators_on(m, tendons=True)
+    ten_rownnz, ten_rowadr, ten_colind = host(m.ten_J_rownnz), host(m.ten_J_rowadr), host(m.ten_J_colind)
+    ten_row = np.repeat(np.arange(m.ntendon), ten_rownnz)  # (each sparse entry's tendon, in ten_J's order)
+    ten_entry = np.concatenate([ten_rowadr[t] + np.arange(n) for t, n in enumerate(ten_rownnz)] or [[]]).astype(int)
     entries, rows, cols = _inertia_entries(m)
 
     def rule(before, after):
@@ -593,11 +606,21 @@ def _implicitfast_rule(m) -> list:
                                       + ", ".join(unsupported) + ", which this model has")
         qvel, M = before["qvel"], before["M"]
         nworld, dtype = qvel.shape[0], qvel.dtype
-        timestep = _per_world(before["opt.timestep"], nworld)
+        world = lambda name: _per_world(before[name], nworld)  # noqa: E731
+        timestep = world("opt.timestep")
+        # what an affine gain multiplies: the control, or the activation (the next one where actearly)
+        act = before["act"][:, np.maximum(actadr, 0)] if stateful.any() else before["ctrl"]
+        if early.any():
+            tau = jnp.maximum(types.MJ_MINVAL, world("actuator_dynprm")[..., 0])
+            rate = jnp.where(exact, tau * (1.0 - jnp.exp(-timestep[:, None] / tau)), timestep[:, None])
+            ahead = act + before["act_dot"][:, np.maximum(actadr, 0)] * rate
+            limits = world("actuator_actrange")
+            ahead = jnp.where(actlimited, jnp.clip(ahead, limits[..., 0], limits[..., 1]), ahead)
+            act = jnp.where(early, ahead, act)
+        drive = jnp.where(stateful, act, before["ctrl"])
         # each actuator's d force / d velocity, and its moment as a dense row (sparse rows in the data: the entry e
         # belongs to the last actuator whose row starts at or before it)
-        vel = (_per_world(before["actuator_biasprm"], nworld)[..., 2] * affine_bias
-               + _per_world(before["actuator_gainprm"], nworld)[..., 2] * affine_gain * before["ctrl"])
+        vel = world("actuator_biasprm")[..., 2] * affine_bias + world("actuator_gainprm")[..., 2] * affine_gain * drive
         if forcelimited.any():
             force, limits = after["actuator_force"], _per_world(after["actuator_forcerange"], nworld)
             clamped = forcelimited & ((force <= limits[..., 0]) | (force >= limits[..., 1]))
@@ -610,28 +633,47 @@ def _implicitfast_rule(m) -> list:
         dense = jnp.einsum("wea,we,wev->wav", mine, moment, jax.nn.one_hot(after["moment_colind"], nv, dtype=dtype),
                            precision=jax.lax.Precision.HIGHEST)  # (world, actuator, dof)
         qderiv = jnp.einsum("wa,wai,waj->wij", vel, dense, dense, precision=jax.lax.Precision.HIGHEST)
-        damping = _per_world(before["dof_damping"], nworld)
-        poly = _per_world(before["dof_dampingpoly"], nworld)
-        speed = jnp.abs(qvel[:, :nv])
-        qderiv -= jax.vmap(jnp.diag)(damping + 2.0 * poly[..., 0] * speed + 3.0 * poly[..., 1] * speed * speed)
+        # damping: the joints' and tendons' own, plus their actuators' times gear squared (util_misc's
+        # dof_damping_total, tendon_damping_total); the force's derivative |v|-odd (util_misc._poly_force_deriv)
+        gear2 = world("actuator_gear")[..., 0] ** 2
+        act_damping, act_poly = world("actuator_damping") * gear2, world("actuator_dampingpoly") * gear2[..., None]
+
+        def slope(linear, poly, on, speed):
+            linear = linear + act_damping @ jnp.asarray(on.T, dtype)
+            poly = poly + jnp.einsum("wak,ta->wtk", act_poly, jnp.asarray(on, dtype))
+            return linear + 2.0 * poly[..., 0] * speed + 3.0 * poly[..., 1] * speed * speed
+
+        dof = slope(world("dof_damping"), world("dof_dampingpoly"), on_joint[dof_jnt], jnp.abs(qvel[:, :nv]))
+        qderiv -= jax.vmap(jnp.diag)(dof)
+        if m.ntendon:
+            tendon = slope(world("tendon_damping"), world("tendon_dampingpoly"), on_tendon,
+                           jnp.abs(before["ten_velocity"]))
+            J = jnp.zeros((nworld, m.ntendon, nv), dtype).at[:, ten_row, ten_colind[ten_entry]].set(
+                before["ten_J"][:, ten_entry])
+            qderiv -= jnp.einsum("wt,wti,wtj->wij", tendon, J, J, precision=jax.lax.Precision.HIGHEST)
         out = M[:, entries] - timestep[:, None] * qderiv[:, rows, cols]
         return {"out": after["out"].at[:, entries].set(out)}
 
+    floats = ("opt.timestep", "actuator_biasprm", "actuator_gainprm", "actuator_dynprm", "actuator_actrange",
+              "actuator_gear", "actuator_damping", "actuator_dampingpoly", "dof_damping", "dof_dampingpoly",
+              "tendon_damping", "tendon_dampingpoly")
+
+    def model_arrays(m):
+        return {n: m.opt.timestep if n == "opt.timestep" else getattr(m, n) for n in floats}
+
     return [warpnn.StageRule(
         derivative, "deriv_smooth_vel", rule,
-        reads=lambda m, d, out: {"M": d.M, "qvel": d.qvel, "ctrl": d.ctrl, "actuator_moment": d.actuator_moment,
-                                 "opt.timestep": m.opt.timestep, "actuator_biasprm": m.actuator_biasprm,
-                                 "actuator_gainprm": m.actuator_gainprm, "dof_damping": m.dof_damping,
-                                 "dof_dampingpoly": m.dof_dampingpoly},
+        reads=lambda m, d, out: {"M": d.M, "qvel": d.qvel, "ctrl": d.ctrl, "act": d.act, "act_dot": d.act_dot,
+                                 "actuator_moment": d.actuator_moment, "ten_J": d.ten_J,
+                                 "ten_velocity": d.ten_velocity, **model_arrays(m)},
         writes=lambda m, d, out: {"out": out},
         context=lambda m, d, out: {"actuator_force": d.actuator_force,
                                    "actuator_forcerange": m.actuator_forcerange, "moment_rowadr": d.moment_rowadr,
                                    "moment_rownnz": d.moment_rownnz, "moment_colind": d.moment_colind},
-        # (what the covered actuators' derivative does not depend on: activation, lengths, velocities, the forces
-        # but for the clamp test, a choice with no derivative; out is zeroed first)
-        ignores=lambda m, d, out: {"act": d.act, "act_dot": d.act_dot, "actuator_length": d.actuator_length,
-                                   "actuator_velocity": d.actuator_velocity, "qfrc_actuator": d.qfrc_actuator,
-                                   "actuator_force": d.actuator_force},
+        # (what the covered actuators' derivative does not depend on: lengths, velocities, the forces but for the
+        # clamp test, a choice with no derivative; out is zeroed first)
+        ignores=lambda m, d, out: {"actuator_length": d.actuator_length, "actuator_velocity": d.actuator_velocity,
+                                   "qfrc_actuator": d.qfrc_actuator, "actuator_force": d.actuator_force},
     )]
 
 
@@ -675,6 +717,26 @@ def _applied_force_rule(m):
     )
 
 
+def _actuators_on(m, tendons: bool):
+    """Which actuators add their damping or armature (times gear squared) to each joint (``tendons=False``) or
+    tendon, as mujoco_warp's ``util_misc.actuator_target_damping`` and ``actuator_target_armature`` pick them: a
+    bool ``(njnt or ntendon, nu)``. ``jnt_actuatorid`` / ``tendon_actuatorid`` name the one actuator, or -1 for
+    none, or < -1 for every actuator whose transmission targets it (``util_misc._actuator_target``)."""
+    import numpy as np
+    from mujoco_warp._src import types
+
+    owner = np.asarray((m.tendon_actuatorid if tendons else m.jnt_actuatorid).numpy())
+    trntype, trnid = np.asarray(m.actuator_trntype.numpy()), np.asarray(m.actuator_trnid.numpy()).reshape(-1, 2)
+    kinds = (int(types.TrnType.TENDON),) if tendons else (int(types.TrnType.JOINT), int(types.TrnType.JOINTINPARENT))
+    on = np.zeros((len(owner), len(trntype)), bool)
+    for target, k in enumerate(owner):
+        if k >= 0:
+            on[target, k] = True
+        elif k < -1:
+            on[target] = (trnid[:, 0] == target) & np.isin(trntype, kinds)
+    return on
+
+
 def _tendon_armature_rule(m):
     """``smooth._tendon_armature`` by a rule: it adds each tendon's armature ``a_t`` (its own plus its actuators'
     armature times gear squared) times ``J_t' J_t`` to the inertia, entry by entry along each dof's ancestors, in a
@@ -684,11 +746,11 @@ def _tendon_armature_rule(m):
     fixed list of (tendon, i, j, madr).
     """
     import numpy as np
-    from mujoco_warp._src import smooth, types
+    from mujoco_warp._src import smooth
 
-    rownnz, rowadr, colind, parent, m_rowadr, m_rownnz, tendon_actuator, trntype, trnid = (
+    rownnz, rowadr, colind, parent, m_rowadr, m_rownnz = (
         np.asarray(a.numpy()) for a in (m.ten_J_rownnz, m.ten_J_rowadr, m.ten_J_colind, m.dof_parentid, m.M_rowadr,
-                                        m.M_rownnz, m.tendon_actuatorid, m.actuator_trntype, m.actuator_trnid))
+                                        m.M_rownnz))
     terms = []  # (tendon, sparse index of J_ti, of J_tj, inertia entry (i, j)), j = i and each ancestor of i
     for t in range(m.ntendon):
         column = {int(colind[rowadr[t] + k]): int(rowadr[t] + k) for k in range(rownnz[t])}
@@ -699,13 +761,7 @@ def _tendon_armature_rule(m):
                     terms.append((t, at_i, column[j], entry))
                 entry, j = entry - 1, parent[j]
     tendon, at_i, at_j, entry = (np.asarray(c, np.int32) for c in zip(*terms)) if terms else [np.zeros(0, np.int32)] * 4
-    # the actuators whose armature each tendon adds (util_misc.actuator_target_armature): one, or every one on it
-    on_tendon = np.zeros((m.ntendon, len(trntype)), bool)
-    for t, k in enumerate(tendon_actuator):
-        if k >= 0:
-            on_tendon[t, k] = True
-        elif k < -1:
-            on_tendon[t] = (trnid[:, 0] == t) & (trntype == int(types.TrnType.TENDON))
+    on_tendon = _actuators_on(m, tendons=True)  # (the actuators whose armature each tendon adds)
 
     def rule(before, after):
         J, M = before["ten_J_in"], before["M_out"]
@@ -825,19 +881,11 @@ def _passive_rule(m):
     import numpy as np
     from mujoco_warp._src import passive, types
 
-    jnt_type, qposadr, dofadr, actuatorid, plasticadr = (
-        np.asarray(a.numpy()) for a in (m.jnt_type, m.jnt_qposadr, m.jnt_dofadr, m.jnt_actuatorid, m.jnt_plasticadr))
-    trntype, trnid = np.asarray(m.actuator_trntype.numpy()), np.asarray(m.actuator_trnid.numpy()).reshape(-1, 2)
-    to_joint = (int(types.TrnType.JOINT), int(types.TrnType.JOINTINPARENT))
+    jnt_type, qposadr, dofadr, plasticadr = (
+        np.asarray(a.numpy()) for a in (m.jnt_type, m.jnt_qposadr, m.jnt_dofadr, m.jnt_plasticadr))
+    on_joint = _actuators_on(m, tendons=False)  # (the actuators whose damping each joint adds)
     FREE, BALL = int(types.JointType.FREE), int(types.JointType.BALL)
     spring_off, damper_off = int(types.DisableBit.SPRING), int(types.DisableBit.DAMPER)
-
-    def actuators_of(j):  # mujoco_warp's util_misc.actuator_target_damping: which actuators add damping to joint j
-        if actuatorid[j] >= 0:
-            return [int(actuatorid[j])]
-        if actuatorid[j] < -1:
-            return [k for k in range(len(trntype)) if trnid[k, 0] == j and trntype[k] in to_joint]
-        return []
 
     def rule(before, after):
         qpos, qvel = before["qpos_in"], before["qvel_in"]
@@ -871,7 +919,7 @@ def _passive_rule(m):
             force = jnp.where((flags & spring_off) != 0, 0.0, force)
             n = force.shape[1]
             c, c_poly = damping[:, d:d + n], dpoly[:, d:d + n]
-            for a in actuators_of(j):
+            for a in np.flatnonzero(on_joint[j]):
                 g2 = (gear[:, a, 0] ** 2)[:, None]
                 c, c_poly = c + act_damping[:, a, None] * g2, c_poly + act_dpoly[:, a, None] * g2[..., None]
             v = qvel[:, d:d + n]

@@ -829,6 +829,50 @@ def tendon():
     return step, mjm, mjd
 
 
+# What else implicitfast's rule covers, each on a scene below turned implicitfast: (MJCF changes, qpos, qvel, ctrl,
+# act, parameters differentiated)
+IMPLICITFAST_WIDER = {
+    # activation dynamics under an affine gain (filterexact, actearly: the next activation, clamped to actrange),
+    # a clamped motor's own damping and damping polynomial (times gear squared)
+    "activation dynamics and actuator damping": (
+        with_integrator(ACTUATED, "implicitfast").replace(
+            'forcerange="-1.5 1.5"/>', 'forcerange="-1.5 1.5" damping="0.3 0.1 0.02"/>').replace(
+            'dyntype="filter" dynprm="0.05"/>',
+            'dyntype="filterexact" dynprm="0.05" actearly="true" actlimited="true" actrange="-1 1"/>'),
+        [0.3, -0.2, 0.05], [0.5, -0.4, 0.3], [0.5, 0.7, 0.6, 0.4], [0.1],
+        ("actuator_gainprm", "actuator_biasprm", "actuator_gear", "actuator_dynprm", "actuator_damping",
+         "actuator_dampingpoly", "dof_damping")),
+    # a fixed tendon's damping and polynomial, its motor's damping (J_t' J_t on M's entries), a servo on a joint.
+    # (Not the motor's gear: a tendon passive kernel compares its damping polynomial with 0, and the equality
+    # guard makes that gradient NaN where the polynomial is 0: warpnn._equality_guard.)
+    "tendon damping": (
+        with_integrator(TENDON, "implicitfast").replace('damping="0.3"', 'damping="0.3 0.2 0.1"').replace(
+            '<motor tendon="t" gear="1.5"/>',
+            '<motor tendon="t" gear="1.5" damping="0.2 0.1 0.05"/><position joint="a" kp="5" kv="0.5"/>'),
+        [0.3, -0.5], [0.5, -1.0], [0.4, 0.1], [],
+        ("tendon_damping", "tendon_dampingpoly", "actuator_damping", "actuator_dampingpoly", "dof_damping",
+         "actuator_biasprm")),
+}
+
+
+@pytest.mark.slow  # (two traced models, ~45 s of a 2-core CPU; the servo arm's test runs in CI)
+@pytest.mark.parametrize("case", IMPLICITFAST_WIDER)
+def test_implicitfast_differentiates_activation_dynamics_actuator_and_tendon_damping(case):
+    """implicitfast's rule beyond servos: an affine gain times the (next, clamped) activation, actuators' damping on
+    their joint or tendon (times gear squared), a tendon's damping ``J_t' J_t``. 10 steps equal mujoco_warp's and
+    gradients through 1 and 10 steps match central differences of mj_step's implicitfast (1e-3 relative; measured
+    within it, 2026-12-07, CPU). Leaving out the next activation or the tendon term fails this test (tried)."""
+    xml, qpos, qvel, ctrl, act, fields = IMPLICITFAST_WIDER[case]
+    mjm, mjd = start(xml, qpos=qpos, qvel=qvel)
+    mjd.ctrl[:], mjd.act[:] = ctrl, act
+    mujoco.mj_forward(mjm, mjd)
+    step = MujocoStep(mjm, mjd, param_fields=fields)
+    assert step.reverse_refusals() == {}
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
+    for steps in (1, 10):
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), fields)
+
+
 @pytest.mark.slow  # (48 s of CI's CPU for 1 step; test_a_linkage_... covers the tendon's kernels there)
 @pytest.mark.parametrize("steps", [1, 10])
 def test_a_fixed_tendon_with_its_spring_damper_and_motor_differentiates(tendon, steps):
