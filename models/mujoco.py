@@ -239,7 +239,7 @@ def _stage_rules(m) -> list:
                                  if elliptic else {"contact.friction": d.contact.friction})},
     )
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-             _tendon_armature_rule(m), _tendon_dot_rule(m), *_transmission_rule(m), *_tree_rules(m),
+             _tendon_armature_rule(m), _tendon_dot_rule(m), *_tendon_bias_rules(m), *_transmission_rule(m), *_tree_rules(m),
              *_contact_rules(m), *([_elliptic_rows_rule(m)] if elliptic else []), *_implicitfast_rule(m)]
     return _for_this_mujoco_warp(rules)
 
@@ -595,9 +595,7 @@ def _implicitfast_rule(m) -> list:
     actlimited = host(m.actuator_actlimited)
     forcelimited, nv, dof_jnt = host(m.actuator_forcelimited), m.nv, host(m.dof_jntid)
     on_joint, on_tendon = _actuators_on(m, tendons=False), _actuators_on(m, tendons=True)
-    ten_rownnz, ten_rowadr, ten_colind = host(m.ten_J_rownnz), host(m.ten_J_rowadr), host(m.ten_J_colind)
-    ten_row = np.repeat(np.arange(m.ntendon), ten_rownnz)  # (each sparse entry's tendon, in ten_J's order)
-    ten_entry = np.concatenate([ten_rowadr[t] + np.arange(n) for t, n in enumerate(ten_rownnz)] or [[]]).astype(int)
+    ten_row, ten_entry, ten_dof = _tendon_entries(m)
     entries, rows, cols = _inertia_entries(m)
 
     def rule(before, after):
@@ -635,12 +633,11 @@ def _implicitfast_rule(m) -> list:
         qderiv = jnp.einsum("wa,wai,waj->wij", vel, dense, dense, precision=jax.lax.Precision.HIGHEST)
         # damping: the joints' and tendons' own, plus their actuators' times gear squared (util_misc's
         # dof_damping_total, tendon_damping_total); the force's derivative |v|-odd (util_misc._poly_force_deriv)
-        gear2 = world("actuator_gear")[..., 0] ** 2
-        act_damping, act_poly = world("actuator_damping") * gear2, world("actuator_dampingpoly") * gear2[..., None]
+        gear = world("actuator_gear")
 
         def slope(linear, poly, on, speed):
-            linear = linear + act_damping @ jnp.asarray(on.T, dtype)
-            poly = poly + jnp.einsum("wak,ta->wtk", act_poly, jnp.asarray(on, dtype))
+            linear = _plus_actuators(linear, world("actuator_damping"), gear, on)
+            poly = _plus_actuators(poly, world("actuator_dampingpoly"), gear, on)
             return linear + 2.0 * poly[..., 0] * speed + 3.0 * poly[..., 1] * speed * speed
 
         dof = slope(world("dof_damping"), world("dof_dampingpoly"), on_joint[dof_jnt], jnp.abs(qvel[:, :nv]))
@@ -648,7 +645,7 @@ def _implicitfast_rule(m) -> list:
         if m.ntendon:
             tendon = slope(world("tendon_damping"), world("tendon_dampingpoly"), on_tendon,
                            jnp.abs(before["ten_velocity"]))
-            J = jnp.zeros((nworld, m.ntendon, nv), dtype).at[:, ten_row, ten_colind[ten_entry]].set(
+            J = jnp.zeros((nworld, m.ntendon, nv), dtype).at[:, ten_row, ten_dof].set(
                 before["ten_J"][:, ten_entry])
             qderiv -= jnp.einsum("wt,wti,wtj->wij", tendon, J, J, precision=jax.lax.Precision.HIGHEST)
         out = M[:, entries] - timestep[:, None] * qderiv[:, rows, cols]
@@ -737,6 +734,25 @@ def _actuators_on(m, tendons: bool):
     return on
 
 
+def _plus_actuators(own, per_actuator, gear, on):
+    """A joint's or tendon's damping, damping polynomial or armature with its actuators' (``util_misc``'s
+    ``actuator_target_damping`` / ``_armature``): ``own[w, t, ...] + sum_a on[t, a] per_actuator[w, a, ...]
+    gear[w, a, 0]^2``, ``on`` from :func:`_actuators_on`."""
+    gear2 = gear[..., 0] ** 2
+    scaled = per_actuator * gear2.reshape(gear2.shape + (1,) * (per_actuator.ndim - 2))
+    return own + jnp.einsum("wa...,ta->wt...", scaled, jnp.asarray(on, own.dtype))
+
+
+def _tendon_entries(m):
+    """The entries of the tendons' sparse Jacobian rows (``ten_J``'s layout): each entry's tendon, its index in
+    ``ten_J`` and its dof, in order."""
+    import numpy as np
+
+    rownnz, rowadr, colind = (np.asarray(a.numpy()) for a in (m.ten_J_rownnz, m.ten_J_rowadr, m.ten_J_colind))
+    entry = np.concatenate([rowadr[t] + np.arange(n) for t, n in enumerate(rownnz)] or [[]]).astype(np.int32)
+    return np.repeat(np.arange(m.ntendon), rownnz).astype(np.int32), entry, colind[entry]
+
+
 def _tendon_armature_rule(m):
     """``smooth._tendon_armature`` by a rule: it adds each tendon's armature ``a_t`` (its own plus its actuators'
     armature times gear squared) times ``J_t' J_t`` to the inertia, entry by entry along each dof's ancestors, in a
@@ -766,9 +782,8 @@ def _tendon_armature_rule(m):
     def rule(before, after):
         J, M = before["ten_J_in"], before["M_out"]
         nworld = J.shape[0]
-        gear = _per_world(before["actuator_gear"], nworld)[..., 0]
-        actuators = _per_world(before["actuator_armature"], nworld) * gear * gear
-        armature = _per_world(before["tendon_armature"], nworld) + actuators @ jnp.asarray(on_tendon.T, M.dtype)
+        armature = _plus_actuators(*(_per_world(before[n], nworld) for n in (
+            "tendon_armature", "actuator_armature", "actuator_gear")), on_tendon)
         return {"M_out": M.at[:, entry].add(armature[:, tendon] * J[:, at_i] * J[:, at_j])}
 
     return warpnn.StageRule(
@@ -804,6 +819,46 @@ def _tendon_dot_rule(m):
                                                 "site_xpos_in", "subtree_com_in", "cdof_in", "cvel_in",
                                                 "cdof_dot_in")},
     )
+
+
+def _tendon_bias_rules(m) -> list:
+    """``smooth._tendon_bias_coef`` and ``_tendon_bias_qfrc`` (a tendon armature's bias force, ``J_t a_t (Jdot_t .
+    qvel)``) by rules: their threads leave where the armature ``a_t`` (its actuators' armature times gear squared
+    included) is exactly 0, and where a Jacobian entry is. The force is continuous there, but its derivative in the
+    armature is not 0 (``J_t (Jdot_t . qvel)``), and Warp's adjoint of the branch taken gives 0; the equality guard
+    made the gradient of everything the armature depends on NaN instead (a tendon motor's gear: measured, NaN where
+    ``mj_step``'s central difference is 0.112). Rules: the same sums without the branches. For a fixed tendon
+    ``Jdot`` is 0 (:func:`_tendon_dot_rule`), so both add 0 and the values agree with the launches."""
+    from mujoco_warp._src import smooth
+
+    on_tendon = _actuators_on(m, tendons=True)
+    tendon, entry, dof = _tendon_entries(m)
+
+    def coefficient(before, after):
+        coef, qvel = before["ten_bias_coef_out"], before["qvel_in"]
+        return {"ten_bias_coef_out": coef.at[:, tendon].add(before["ten_Jdot_in"][:, entry] * qvel[:, dof])}
+
+    def force(before, after):
+        qfrc = before["qfrc_out"]
+        armature = _plus_actuators(*(_per_world(before[n], qfrc.shape[0]) for n in (
+            "tendon_armature", "actuator_armature", "actuator_gear")), on_tendon)
+        terms = before["ten_J_in"][:, entry] * (armature * before["ten_bias_coef_in"])[:, tendon]
+        return {"qfrc_out": qfrc.at[:, dof].add(terms)}
+
+    armature = ("tendon_armature", "actuator_armature", "actuator_gear")
+    return [
+        warpnn.StageRule(
+            smooth, "_tendon_bias_coef", coefficient, per_launch=True,
+            reads=lambda **a: {n: a[n] for n in ("qvel_in", "ten_Jdot_in", "ten_bias_coef_out")},
+            writes=lambda ten_bias_coef_out, **_: {"ten_bias_coef_out": ten_bias_coef_out},
+            ignores=lambda **a: {n: a[n] for n in armature},  # (a switch only: the sum does not depend on it)
+        ),
+        warpnn.StageRule(
+            smooth, "_tendon_bias_qfrc", force, per_launch=True,
+            reads=lambda **a: {n: a[n] for n in (*armature, "ten_J_in", "ten_bias_coef_in", "qfrc_out")},
+            writes=lambda qfrc_out, **_: {"qfrc_out": qfrc_out},
+        ),
+    ]
 
 
 def _transmission_rule(m) -> list:

@@ -842,16 +842,15 @@ IMPLICITFAST_WIDER = {
         [0.3, -0.2, 0.05], [0.5, -0.4, 0.3], [0.5, 0.7, 0.6, 0.4], [0.1],
         ("actuator_gainprm", "actuator_biasprm", "actuator_gear", "actuator_dynprm", "actuator_damping",
          "actuator_dampingpoly", "dof_damping")),
-    # a fixed tendon's damping and polynomial, its motor's damping (J_t' J_t on M's entries), a servo on a joint.
-    # (Not the motor's gear: a tendon passive kernel compares its damping polynomial with 0, and the equality
-    # guard makes that gradient NaN where the polynomial is 0: warpnn._equality_guard.)
+    # a fixed tendon's damping and polynomial, its motor's damping (J_t' J_t on M's entries), a servo on a joint;
+    # the motor's gear and the tendon's armature at 0 (the armature's bias kernels skip a zero armature: their rules)
     "tendon damping": (
         with_integrator(TENDON, "implicitfast").replace('damping="0.3"', 'damping="0.3 0.2 0.1"').replace(
             '<motor tendon="t" gear="1.5"/>',
             '<motor tendon="t" gear="1.5" damping="0.2 0.1 0.05"/><position joint="a" kp="5" kv="0.5"/>'),
         [0.3, -0.5], [0.5, -1.0], [0.4, 0.1], [],
         ("tendon_damping", "tendon_dampingpoly", "actuator_damping", "actuator_dampingpoly", "dof_damping",
-         "actuator_biasprm")),
+         "actuator_biasprm", "actuator_gear", "tendon_armature")),
 }
 
 
