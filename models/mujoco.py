@@ -938,7 +938,7 @@ def _passive_rule(m):
 
     jnt_type, qposadr, dofadr, plasticadr = (
         np.asarray(a.numpy()) for a in (m.jnt_type, m.jnt_qposadr, m.jnt_dofadr, m.jnt_plasticadr))
-    on_joint = _actuators_on(m, tendons=False)  # (the actuators whose damping each joint adds)
+    on_dof = _actuators_on(m, tendons=False)[np.asarray(m.dof_jntid.numpy())]  # (whose damping each dof adds)
     FREE, BALL = int(types.JointType.FREE), int(types.JointType.BALL)
     spring_off, damper_off = int(types.DisableBit.SPRING), int(types.DisableBit.DAMPER)
 
@@ -946,9 +946,10 @@ def _passive_rule(m):
         qpos, qvel = before["qpos_in"], before["qvel_in"]
         nworld = qpos.shape[0]
         world = lambda name: _per_world(before[name], nworld)  # noqa: E731
-        ref_q, stiffness, spoly, damping, dpoly, act_damping, act_dpoly, gear = (world(n) for n in (
-            "qpos_spring", "jnt_stiffness", "jnt_stiffnesspoly", "dof_damping", "dof_dampingpoly",
-            "actuator_damping", "actuator_dampingpoly", "actuator_gear"))
+        ref_q, stiffness, spoly, gear = (world(n) for n in ("qpos_spring", "jnt_stiffness", "jnt_stiffnesspoly",
+                                                             "actuator_gear"))
+        damping = _plus_actuators(world("dof_damping"), world("actuator_damping"), gear, on_dof)
+        dpoly = _plus_actuators(world("dof_dampingpoly"), world("actuator_dampingpoly"), gear, on_dof)
         plastic = before["plastic_in"]
         flags = after["opt_disableflags"]
         spring, damper = [None] * qvel.shape[1], [None] * qvel.shape[1]
@@ -974,9 +975,6 @@ def _passive_rule(m):
             force = jnp.where((flags & spring_off) != 0, 0.0, force)
             n = force.shape[1]
             c, c_poly = damping[:, d:d + n], dpoly[:, d:d + n]
-            for a in np.flatnonzero(on_joint[j]):
-                g2 = (gear[:, a, 0] ** 2)[:, None]
-                c, c_poly = c + act_damping[:, a, None] * g2, c_poly + act_dpoly[:, a, None] * g2[..., None]
             v = qvel[:, d:d + n]
             friction = -v * (c + c_poly[..., 0] * jnp.abs(v) + c_poly[..., 1] * v * v)  # (_poly_force, odd)
             friction = jnp.where((flags & damper_off) != 0, 0.0, friction)
