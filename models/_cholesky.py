@@ -2,7 +2,9 @@
 
 Not differentiated (built without adjoints): :func:`warpnn_models.mujoco._spd_solve` holds the factor constant and
 differentiates the solve through ``lax.custom_linear_solve``, which solves again. Float32 and float64. Pure-JAX
-references of the same arithmetic: :func:`cholesky_reference`, :func:`cholesky_solve_reference`.
+references of the same arithmetic: :func:`cholesky_reference`, :func:`cholesky_solve_reference`, which the rules
+use on a GPU, where one thread per matrix is slower than the references' column-by-column operations over every
+matrix (see ``_spd_solve``).
 """
 
 # No `from __future__ import annotations`: Warp evaluates kernel annotations.
