@@ -1775,3 +1775,22 @@ def test_the_cholesky_kernels_equal_their_references(dtype):
                      atol=1e-7)
     with pytest.raises(TypeError, match="float32 or float64"):
         cholesky(jnp.asarray(A_np, jnp.bfloat16))
+
+
+def test_the_rules_solve_by_the_kernels_on_a_cpu_and_by_jax_elsewhere():
+    """``_spd_solve`` (the inertia's and the constraint solver's solves in the rules) and its gradient lower to the
+    Warp kernels for a CPU and to JAX alone for a GPU, where one thread per world was slower (measured: the humanoid's
+    backward on an H100); both give NumPy's solve and its derivative ``-x (A^-1 1)'``."""
+    from warpnn_models.mujoco import _spd_solve
+
+    rng = np.random.default_rng(4)
+    B = rng.standard_normal((3, 6, 6))
+    A_np, b_np = B @ np.swapaxes(B, -1, -2) + 6 * np.eye(6), rng.standard_normal((3, 6))
+    A, b = jnp.asarray(A_np, jnp.float32), jnp.asarray(b_np, jnp.float32)
+    f = jax.jit(lambda A, b: jax.value_and_grad(lambda A: _spd_solve(A, b).sum())(A))
+    lowered = {platform: f.trace(A, b).lower(lowering_platforms=(platform,)).as_text() for platform in ("cpu", "cuda")}
+    assert "warpnn" in lowered["cpu"] and "custom_call" not in lowered["cuda"]
+    x = np.linalg.solve(A_np, b_np[..., None])[..., 0]
+    value, grad = f(A, b)
+    assert_close(value, x.sum(), rtol=1e-5)
+    assert_close(grad, -np.linalg.solve(A_np, np.ones_like(b_np)[..., None]) * x[:, None, :], rtol=1e-4, atol=1e-6)
