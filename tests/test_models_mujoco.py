@@ -1210,6 +1210,31 @@ def test_float_equality_branches_left_to_warps_adjoint_are_listed(tree):
     assert all("==" in place or "!=" in place for places in listed.values() for place in places)
 
 
+@pytest.mark.slow  # (a traced model, ~25 s of a 2-core CPU)
+def test_with_sensors_the_state_differentiates_and_a_loss_on_position_sensors_is_refused():
+    """Sensors nobody here wrote a rule for: a joint position, a site's position and an accelerometer on the arm.
+    ``sensordata`` steps as mujoco_warp's; the gradient of a loss on the state through 10 steps matches mj_step's
+    central differences; a loss on ``sensordata`` is refused at trace time naming ``_sensor_pos`` and its loop (its
+    geom-distance branch, a loop carrying the nearest distance), never a silent gradient."""
+    xml = ARM.replace('size="0.04" mass="0.5"/>', 'size="0.04" mass="0.5"/><site name="tip" pos="0.5 0 0"/>').replace(
+        "</actuator>", '</actuator><sensor><jointpos joint="elbow"/><framepos objtype="site" objname="tip"/>'
+        '<accelerometer site="tip"/></sensor>')
+    mjm, mjd = start(xml, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    mjd.ctrl[:] = [0.3, -0.2]
+    mujoco.mj_forward(mjm, mjd)
+    step = MujocoStep(mjm, mjd, param_fields=("dof_damping",))
+    assert "dist" in step.reverse_refusals()["_sensor_pos"]
+    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd, nworld=1)
+    for _ in range(3):
+        mjw.step(m, d)
+    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=3))(step.initial_state())
+    np.testing.assert_allclose(np.asarray(final["sensordata"]), d.sensordata.numpy(), rtol=0, atol=1e-6)
+    assert_gradients_match_mj_step(step, mjm, mjd, 10, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), ("dof_damping",))
+    state = step.initial_state()
+    with pytest.raises(TypeError, match="_sensor_pos.*dynamic for loop"):
+        jax.grad(lambda qpos: jnp.sum(step({**state, "qpos": qpos})["sensordata"]))(state["qpos"])
+
+
 def test_contacts_the_rules_do_not_cover_are_refused_naming_the_stage():
     """A box on a box, by mujoco_warp's default convex narrowphase (GJK/EPA; its box-box primitive only with
     ``nativeccd`` disabled, as in STACK): the narrowphase rule computes the primitive pairs in ``_PAIR_CONTACTS``, and
