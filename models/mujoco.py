@@ -29,8 +29,9 @@ step of mujoco_warp's humanoid (<= 4e-5), and through the cart-pole's active lim
 adjoint gets right are differentiated by rules (:func:`_stage_rules`, ``warpnn.StageRule``): the inertia solve, the
 constraint solver (its optimality conditions at the solution), the primitive narrowphase and the contact Jacobian
 (recomputed in JAX), tree walks over branches that share bodies, springs and dampers (right where mujoco_warp skips
-a zero coefficient), the position update (its quaternion integration, right at zero angular velocity), the
-velocity derivative ``implicitfast`` solves with (:func:`_implicitfast_rule`); the other
+a zero coefficient), the common position sensors (:func:`_sensor_pos_rule`), the position update (its quaternion
+integration, right at zero angular velocity), the velocity derivative ``implicitfast`` solves with
+(:func:`_implicitfast_rule`); the other
 kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
@@ -239,7 +240,7 @@ def _stage_rules(m) -> list:
                                  if elliptic else {"contact.friction": d.contact.friction})},
     )
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-             _tendon_armature_rule(m), _tendon_dot_rule(m), *_tendon_bias_rules(m), *_transmission_rule(m), *_tree_rules(m),
+             _tendon_armature_rule(m), _tendon_dot_rule(m), *_tendon_bias_rules(m), *_sensor_pos_rule(m), *_transmission_rule(m), *_tree_rules(m),
              *_contact_rules(m), *([_elliptic_rows_rule(m)] if elliptic else []), *_implicitfast_rule(m)]
     return _for_this_mujoco_warp(rules)
 
@@ -862,6 +863,97 @@ def _tendon_bias_rules(m) -> list:
             writes=lambda qfrc_out, **_: {"qfrc_out": qfrc_out},
         ),
     ]
+
+
+def _sensor_pos_rule(m) -> list:
+    """``sensor._sensor_pos`` (the position-stage sensors) by a rule: one kernel computes every kind, and its
+    geom-distance branch carries the nearest distance through a dynamic loop Warp's adjoint does not run again, so
+    the kernel is refused whole, whichever sensors a model has. The rule computes the common kinds as the kernel
+    does: joint, tendon and actuator positions, a ball joint's normalised quaternion, a frame's position and axes
+    (of a body's inertial frame, a body, a geom, a site or a camera, in the world or in another such frame), a
+    subtree's centre of mass, the clock; each clamped by its ``cutoff`` (``[-cutoff, cutoff]``, or ``<= cutoff``
+    for positive data). A model with another kind (frame quaternions, magnetometers, camera projections, geom
+    distances, inside-site tests, energies) gets the rule's refusal naming them.
+    """
+    import numpy as np
+    from mujoco_warp._src import sensor, types
+
+    S, O = types.SensorType, types.ObjType
+
+    def host(a):
+        return np.asarray(a.numpy())
+
+    ids = host(m.sensor_pos_adr)
+    if not ids.size:
+        return []
+    kind, objtype, objid, reftype, refid, adr, datatype, qposadr = (host(a) for a in (
+        m.sensor_type, m.sensor_objtype, m.sensor_objid, m.sensor_reftype, m.sensor_refid, m.sensor_adr,
+        m.sensor_datatype, m.jnt_qposadr))
+    covered = {int(k) for k in (S.JOINTPOS, S.TENDONPOS, S.ACTUATORPOS, S.BALLQUAT, S.FRAMEPOS, S.FRAMEXAXIS,
+                                S.FRAMEYAXIS, S.FRAMEZAXIS, S.SUBTREECOM, S.CLOCK)}
+    others = sorted({S(int(kind[i])).name for i in ids if int(kind[i]) not in covered})
+    frames = {int(O.BODY): ("xipos_in", "ximat_in"), int(O.XBODY): ("xpos_in", "xmat_in"),
+              int(O.GEOM): ("geom_xpos_in", "geom_xmat_in"), int(O.SITE): ("site_xpos_in", "site_xmat_in"),
+              int(O.CAMERA): ("cam_xpos_in", "cam_xmat_in")}
+    axes = {int(S.FRAMEXAXIS): 0, int(S.FRAMEYAXIS): 1, int(S.FRAMEZAXIS): 2}
+
+    def rule(before, after):
+        if others:
+            raise NotImplementedError(f"the position sensors' rule does not cover {others}, which this model has")
+        out = before["sensordata_out"]
+        cutoff = before["sensor_cutoff"]
+
+        def frame(part, typ, obj):  # (_get_pos / _get_mat: a position (w, 3) or a rotation (w, 3, 3))
+            if int(typ) not in frames:
+                raise NotImplementedError(f"a frame sensor on object type {int(typ)}")
+            return before[frames[int(typ)][part]][:, obj]
+
+        for i in ids:
+            k, obj = int(kind[i]), int(objid[i])
+            if k == int(S.JOINTPOS):
+                value = before["qpos_in"][:, qposadr[obj], None]
+            elif k == int(S.TENDONPOS):
+                value = before["ten_length_in"][:, obj, None]
+            elif k == int(S.ACTUATORPOS):
+                value = before["actuator_length_in"][:, obj, None]
+            elif k == int(S.BALLQUAT):
+                q = before["qpos_in"][:, qposadr[obj]:qposadr[obj] + 4]
+                value = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+            elif k == int(S.SUBTREECOM):
+                value = before["subtree_com_in"][:, obj]
+            elif k == int(S.CLOCK):
+                value = jnp.broadcast_to(before["time_in"], out.shape[:1])[:, None]
+            else:  # a frame's position or axis, in the world or in the reference frame
+                if k == int(S.FRAMEPOS):
+                    value = frame(0, objtype[i], obj)
+                    if refid[i] >= 0:
+                        value = value - frame(0, reftype[i], int(refid[i]))
+                else:
+                    value = frame(1, objtype[i], obj)[..., axes[k]]
+                if refid[i] >= 0:  # (xmat_ref' v)
+                    value = jnp.einsum("wji,wj->wi", frame(1, reftype[i], int(refid[i])), value,
+                                       precision=jax.lax.Precision.HIGHEST)
+            c = cutoff[i]
+            if datatype[i] == int(types.DataType.REAL):
+                value = jnp.where(c > 0, jnp.clip(value, -c, c), value)
+            elif datatype[i] == int(types.DataType.POSITIVE):
+                value = jnp.where(c > 0, jnp.minimum(value, c), value)
+            out = out.at[:, adr[i]:adr[i] + value.shape[1]].set(value)
+        return {"sensordata_out": out}
+
+    floats = ("qpos_in", "ten_length_in", "actuator_length_in", "subtree_com_in", "time_in", "xpos_in", "xmat_in",
+              "xipos_in", "ximat_in", "geom_xpos_in", "geom_xmat_in", "site_xpos_in", "site_xmat_in", "cam_xpos_in",
+              "cam_xmat_in", "sensor_cutoff", "sensordata_out")
+    return [warpnn.StageRule(
+        sensor, "_sensor_pos", rule, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in floats},
+        writes=lambda sensordata_out, **_: {"sensordata_out": sensordata_out},
+        # (what the covered kinds do not read: the other kinds' inputs)
+        ignores=lambda **a: {n: a[n] for n in (
+            "opt_magnetic", "body_iquat", "body_mass", "body_subtreemass", "geom_quat", "site_size", "site_quat",
+            "cam_quat", "cam_fovy", "cam_sensorsize", "cam_intrinsic", "energy_in", "xquat_in",
+            "sensor_collision_in")},
+    )]
 
 
 def _transmission_rule(m) -> list:
