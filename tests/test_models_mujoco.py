@@ -1226,14 +1226,16 @@ SENSORS = ARM.replace('<motor joint="shoulder" gear="1"/>', '<motor name="m0" jo
     '<accelerometer site="tip"/><gyro site="tip"/><velocimeter site="tip"/></sensor>')
 
 
-@pytest.mark.slow  # (two traced models, ~50 s of a 2-core CPU)
+@pytest.mark.slow  # (four traced models, ~80 s of a 2-core CPU)
 def test_sensors_step_as_mujoco_warps_and_differentiate():
     """``sensor._sensor_pos`` computes every position sensor kind in one kernel whose geom-distance branch carries
     the nearest distance through a loop Warp's adjoint does not run again (refused whole); its rule
     (warpnn_models.mujoco._sensor_pos_rule) covers the common kinds. ``sensordata`` steps as mujoco_warp's, and the
     gradient of a loss on it through 1 and 10 steps w.r.t. the controls, the initial velocity, damping and masses
-    matches central differences of mj_step (1e-3 relative; measured <= 1.1e-5 through 1 step, 2026-12-07, CPU). A
-    kind the rule does not cover (a frame's quaternion) is refused naming it, never a silent gradient."""
+    matches central differences of mj_step (1e-3 relative; measured <= 1.1e-5 through 1 step, 2026-12-07, CPU);
+    so through 2 steps do a ball joint's quaternion, a free body's position, a geom's axis in a body's frame and a
+    subtree's centre of mass on the turned tree, and a tendon's length. A kind the rule does not cover (a frame's
+    quaternion) is refused naming it, never a silent gradient."""
     mjm, mjd = start(SENSORS, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     mjd.ctrl[:] = [0.3, -0.2]
     mujoco.mj_forward(mjm, mjd)
@@ -1248,6 +1250,21 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
     for steps in (1, 10):
         assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nsensordata),
                                        ("dof_damping", "body_mass"), sensors=True)
+
+    # a ball joint's quaternion and a free body's frame (the tree, turned), a tendon's length: 1 step
+    tree_sensors = TREE.replace("</actuator>", '</actuator><sensor><ballquat joint="shoulder"/><framepos '
+                                'objtype="xbody" objname="torso"/><framexaxis objtype="geom" objname="arm_geom" '
+                                'reftype="body" refname="torso"/><subtreecom body="torso"/></sensor>').replace(
+        '<geom type="capsule" fromto="0 0 0 -0.3 0 0"', '<geom name="arm_geom" type="capsule" fromto="0 0 0 -0.3 0 0"')
+    tendon_sensors = TENDON.replace("</actuator>", '</actuator><sensor><tendonpos tendon="t"/></sensor>')
+    for xml, qpos in ((tree_sensors, tree_pose(mujoco.MjModel.from_xml_string(TREE), [0.9, 0.2, -0.3, 0.1])),
+                      (tendon_sensors, [0.3, -0.5])):
+        mjm, mjd = start(xml, qpos=qpos)
+        mjm.body_sameframe[:] = 0  # (see the tree fixture)
+        step = MujocoStep(mjm, mjd, param_fields=("dof_damping",))
+        assert step.reverse_refusals() == {}
+        assert_gradients_match_mj_step(step, mjm, mjd, 2, np.linspace(-1.0, 1.0, mjm.nsensordata), ("dof_damping",),
+                                       sensors=True)
 
     mjm, mjd = start(SENSORS.replace("<clock/>", '<framequat objtype="site" objname="tip"/>'))
     step = MujocoStep(mjm, mjd)
