@@ -869,11 +869,11 @@ def _sensor_pos_rule(m) -> list:
     """``sensor._sensor_pos`` (the position-stage sensors) by a rule: one kernel computes every kind, and its
     geom-distance branch carries the nearest distance through a dynamic loop Warp's adjoint does not run again, so
     the kernel is refused whole, whichever sensors a model has. The rule computes the common kinds as the kernel
-    does: joint, tendon and actuator positions, a ball joint's normalised quaternion, a frame's position and axes
-    (of a body's inertial frame, a body, a geom, a site or a camera, in the world or in another such frame), a
-    subtree's centre of mass, the clock; each clamped by its ``cutoff`` (``[-cutoff, cutoff]``, or ``<= cutoff``
-    for positive data). A model with another kind (frame quaternions, magnetometers, camera projections, geom
-    distances, inside-site tests, energies) gets the rule's refusal naming them.
+    does: joint, tendon and actuator positions, a ball joint's normalised quaternion, a frame's position, axes and
+    quaternion (of a body's inertial frame, a body, a geom, a site or a camera, in the world or in another such
+    frame), a subtree's centre of mass, the clock; each clamped by its ``cutoff`` (``[-cutoff, cutoff]``, or
+    ``<= cutoff`` for positive data). A model with another kind (magnetometers, camera projections, geom distances,
+    inside-site tests, energies) gets the rule's refusal naming them.
     """
     import numpy as np
     from mujoco_warp._src import sensor, types
@@ -890,7 +890,10 @@ def _sensor_pos_rule(m) -> list:
         m.sensor_type, m.sensor_objtype, m.sensor_objid, m.sensor_reftype, m.sensor_refid, m.sensor_adr,
         m.sensor_datatype, m.jnt_qposadr))
     covered = {int(k) for k in (S.JOINTPOS, S.TENDONPOS, S.ACTUATORPOS, S.BALLQUAT, S.FRAMEPOS, S.FRAMEXAXIS,
-                                S.FRAMEYAXIS, S.FRAMEZAXIS, S.SUBTREECOM, S.CLOCK)}
+                                S.FRAMEYAXIS, S.FRAMEZAXIS, S.FRAMEQUAT, S.SUBTREECOM, S.CLOCK)}
+    # (_get_quat: a frame's orientation is its body's times its own, but for a body's own frame, XBODY)
+    local_quats = {int(O.BODY): ("body_iquat", None), int(O.GEOM): ("geom_quat", host(m.geom_bodyid)),
+                   int(O.SITE): ("site_quat", host(m.site_bodyid)), int(O.CAMERA): ("cam_quat", host(m.cam_bodyid))}
     others = sorted({S(int(kind[i])).name for i in ids if int(kind[i]) not in covered})
     frames = {int(O.BODY): ("xipos_in", "ximat_in"), int(O.XBODY): ("xpos_in", "xmat_in"),
               int(O.GEOM): ("geom_xpos_in", "geom_xmat_in"), int(O.SITE): ("site_xpos_in", "site_xmat_in"),
@@ -908,6 +911,15 @@ def _sensor_pos_rule(m) -> list:
                 raise NotImplementedError(f"a frame sensor on object type {int(typ)}")
             return before[frames[int(typ)][part]][:, obj]
 
+        def orientation(typ, obj):
+            if int(typ) == int(O.XBODY):
+                return before["xquat_in"][:, obj]
+            if int(typ) not in local_quats:
+                raise NotImplementedError(f"a frame sensor on object type {int(typ)}")
+            name, body = local_quats[int(typ)]
+            own = _per_world(before[name], out.shape[0])[:, obj]
+            return _quat_multiply(before["xquat_in"][:, obj if body is None else body[obj]], own)
+
         for i in ids:
             k, obj = int(kind[i]), int(objid[i])
             if k == int(S.JOINTPOS):
@@ -923,6 +935,11 @@ def _sensor_pos_rule(m) -> list:
                 value = before["subtree_com_in"][:, obj]
             elif k == int(S.CLOCK):
                 value = jnp.broadcast_to(before["time_in"], out.shape[:1])[:, None]
+            elif k == int(S.FRAMEQUAT):  # (quat_inv(ref) * quat)
+                value = orientation(objtype[i], obj)
+                if refid[i] >= 0:
+                    inverse = jnp.asarray([1.0, -1.0, -1.0, -1.0], value.dtype)
+                    value = _quat_multiply(orientation(reftype[i], int(refid[i])) * inverse, value)
             else:  # a frame's position or axis, in the world or in the reference frame
                 if k == int(S.FRAMEPOS):
                     value = frame(0, objtype[i], obj)
@@ -943,16 +960,16 @@ def _sensor_pos_rule(m) -> list:
 
     floats = ("qpos_in", "ten_length_in", "actuator_length_in", "subtree_com_in", "time_in", "xpos_in", "xmat_in",
               "xipos_in", "ximat_in", "geom_xpos_in", "geom_xmat_in", "site_xpos_in", "site_xmat_in", "cam_xpos_in",
-              "cam_xmat_in", "sensor_cutoff", "sensordata_out")
+              "cam_xmat_in", "xquat_in", "body_iquat", "geom_quat", "site_quat", "cam_quat", "sensor_cutoff",
+              "sensordata_out")
     return [warpnn.StageRule(
         sensor, "_sensor_pos", rule, per_launch=True,
         reads=lambda **a: {n: a[n] for n in floats},
         writes=lambda sensordata_out, **_: {"sensordata_out": sensordata_out},
         # (what the covered kinds do not read: the other kinds' inputs)
         ignores=lambda **a: {n: a[n] for n in (
-            "opt_magnetic", "body_iquat", "body_mass", "body_subtreemass", "geom_quat", "site_size", "site_quat",
-            "cam_quat", "cam_fovy", "cam_sensorsize", "cam_intrinsic", "energy_in", "xquat_in",
-            "sensor_collision_in")},
+            "opt_magnetic", "body_mass", "body_subtreemass", "site_size", "cam_fovy", "cam_sensorsize",
+            "cam_intrinsic", "energy_in", "sensor_collision_in")},
     )]
 
 

@@ -1215,7 +1215,7 @@ def test_float_equality_branches_left_to_warps_adjoint_are_listed(tree):
 
 # The arm with a site at its tip and sensors of each stage: positions (a joint's, clamped by a cutoff it reaches; an
 # actuator's; the tip's in the world and in the upper body's frame, clamped; the forearm's z axis in the upper
-# body's frame; a subtree's centre of mass; the clock), velocities and accelerations (a joint's velocity, an
+# body's frame; a subtree's centre of mass; the clock; the tip's orientation in the upper body's), velocities and accelerations (a joint's velocity, an
 # actuator's force, the tip's accelerometer, gyro and velocimeter).
 SENSORS = ARM.replace('<motor joint="shoulder" gear="1"/>', '<motor name="m0" joint="shoulder" gear="1"/>').replace(
     'size="0.04" mass="0.5"/>', 'size="0.04" mass="0.5"/><site name="tip" pos="0.5 0 0"/>').replace(
@@ -1223,6 +1223,7 @@ SENSORS = ARM.replace('<motor joint="shoulder" gear="1"/>', '<motor name="m0" jo
     '<actuatorfrc actuator="m0"/><actuatorpos actuator="m0"/><framepos objtype="site" objname="tip"/>'
     '<framepos objtype="site" objname="tip" reftype="body" refname="upper" cutoff="0.3"/>'
     '<framezaxis objtype="body" objname="fore" reftype="xbody" refname="upper"/><subtreecom body="fore"/><clock/>'
+    '<framequat objtype="site" objname="tip" reftype="body" refname="upper"/>'
     '<accelerometer site="tip"/><gyro site="tip"/><velocimeter site="tip"/></sensor>')
 
 
@@ -1234,8 +1235,8 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
     gradient of a loss on it through 1 and 10 steps w.r.t. the controls, the initial velocity, damping and masses
     matches central differences of mj_step (1e-3 relative; measured <= 1.1e-5 through 1 step, 2026-12-07, CPU);
     so through 2 steps do a ball joint's quaternion, a free body's position, a geom's axis in a body's frame and a
-    subtree's centre of mass on the turned tree, and a tendon's length. A kind the rule does not cover (a frame's
-    quaternion) is refused naming it, never a silent gradient."""
+    subtree's centre of mass and a geom's orientation on the turned tree, and a tendon's length. A kind the rule does
+    not cover (a magnetometer) is refused naming it, never a silent gradient."""
     mjm, mjd = start(SENSORS, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     mjd.ctrl[:] = [0.3, -0.2]
     mujoco.mj_forward(mjm, mjd)
@@ -1254,7 +1255,8 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
     # a ball joint's quaternion and a free body's frame (the tree, turned), a tendon's length: 1 step
     tree_sensors = TREE.replace("</actuator>", '</actuator><sensor><ballquat joint="shoulder"/><framepos '
                                 'objtype="xbody" objname="torso"/><framexaxis objtype="geom" objname="arm_geom" '
-                                'reftype="body" refname="torso"/><subtreecom body="torso"/></sensor>').replace(
+                                'reftype="body" refname="torso"/><subtreecom body="torso"/><framequat '
+                                'objtype="geom" objname="arm_geom"/></sensor>').replace(
         '<geom type="capsule" fromto="0 0 0 -0.3 0 0"', '<geom name="arm_geom" type="capsule" fromto="0 0 0 -0.3 0 0"')
     tendon_sensors = TENDON.replace("</actuator>", '</actuator><sensor><tendonpos tendon="t"/></sensor>')
     for xml, qpos in ((tree_sensors, tree_pose(mujoco.MjModel.from_xml_string(TREE), [0.9, 0.2, -0.3, 0.1])),
@@ -1266,11 +1268,11 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
         assert_gradients_match_mj_step(step, mjm, mjd, 2, np.linspace(-1.0, 1.0, mjm.nsensordata), ("dof_damping",),
                                        sensors=True)
 
-    mjm, mjd = start(SENSORS.replace("<clock/>", '<framequat objtype="site" objname="tip"/>'))
+    mjm, mjd = start(SENSORS.replace("<clock/>", '<magnetometer site="tip"/>'))
     step = MujocoStep(mjm, mjd)
-    assert "FRAMEQUAT" in step.reverse_refusals()["mujoco_warp._src.sensor._sensor_pos"]
+    assert "MAGNETOMETER" in step.reverse_refusals()["mujoco_warp._src.sensor._sensor_pos"]
     state = step.initial_state()
-    with pytest.raises(TypeError, match="_sensor_pos.*FRAMEQUAT"):
+    with pytest.raises(TypeError, match="_sensor_pos.*MAGNETOMETER"):
         jax.grad(lambda qpos: jnp.sum(step({**state, "qpos": qpos})["sensordata"]))(state["qpos"])
 
 
