@@ -89,15 +89,20 @@ def data_arrays(obj) -> dict[str, wp.array]:
     return found
 
 
-def _inertia_entries(m):
-    """``M``'s CSR layout (the lower triangle, ``(nworld, nC)``) as index arrays: each stored entry's place in a
-    row of ``M`` and its row and column in the matrix."""
+def _csr_entries(rownnz, rowadr, colind):
+    """A CSR layout's stored entries as index arrays (``rownnz``, ``rowadr``, ``colind`` wp arrays): each entry's
+    place in the data, its row and its column, row by row."""
     import numpy as np
 
-    rownnz, rowadr, colind = (np.asarray(a.numpy()) for a in (m.M_rownnz, m.M_rowadr, m.M_colind))
-    entries = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)]).astype(np.int32)
-    rows = np.repeat(np.arange(m.nv), rownnz).astype(np.int32)
-    return entries, rows, colind[entries].astype(np.int32)
+    rownnz, rowadr, colind = (np.asarray(a.numpy()) for a in (rownnz, rowadr, colind))
+    entries = np.concatenate([np.arange(a, a + n) for a, n in zip(rowadr, rownnz)] or [[]]).astype(np.int32)
+    return entries, np.repeat(np.arange(len(rownnz)), rownnz).astype(np.int32), colind[entries].astype(np.int32)
+
+
+def _inertia_entries(m):
+    """``M``'s CSR layout (the lower triangle, ``(nworld, nC)``): each stored entry's place in a row of ``M`` and
+    its row and column in the matrix."""
+    return _csr_entries(m.M_rownnz, m.M_rowadr, m.M_colind)
 
 
 def _inertia_to_dense(m) -> Callable[[jax.Array], jax.Array]:
@@ -240,8 +245,9 @@ def _stage_rules(m) -> list:
                                  if elliptic else {"contact.friction": d.contact.friction})},
     )
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-             _tendon_armature_rule(m), _tendon_dot_rule(m), *_tendon_bias_rules(m), *_sensor_pos_rule(m), *_transmission_rule(m), *_tree_rules(m),
-             *_contact_rules(m), *([_elliptic_rows_rule(m)] if elliptic else []), *_implicitfast_rule(m)]
+             _tendon_armature_rule(m), _tendon_dot_rule(m), *_tendon_bias_rules(m), *_sensor_pos_rule(m),
+             *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
+             *([_elliptic_rows_rule(m)] if elliptic else []), *_implicitfast_rule(m)]
     return _for_this_mujoco_warp(rules)
 
 
@@ -595,11 +601,12 @@ def _implicitfast_rule(m) -> list:
     # the activation an affine gain multiplies (the actuator's last), and how it advances (support.next_act)
     actadr = host(m.actuator_actadr) + host(m.actuator_actnum) - 1
     stateful = (dyntype != int(types.DynType.NONE)) & (actadr >= 0)
+    actadr = np.maximum(actadr, 0)  # (where stateful; any index elsewhere)
     early, exact = host(m.actuator_actearly) & stateful, dyntype == int(types.DynType.FILTEREXACT)
     actlimited = host(m.actuator_actlimited)
     forcelimited, nv, dof_jnt = host(m.actuator_forcelimited), m.nv, host(m.dof_jntid)
     on_joint, on_tendon = _actuators_on(m, tendons=False), _actuators_on(m, tendons=True)
-    ten_row, ten_entry, ten_dof = _tendon_entries(m)
+    ten_entry, ten_row, ten_dof = _tendon_entries(m)
     entries, rows, cols = _inertia_entries(m)
 
     def rule(before, after):
@@ -611,15 +618,17 @@ def _implicitfast_rule(m) -> list:
         world = lambda name: _per_world(before[name], nworld)  # noqa: E731
         timestep = world("opt.timestep")
         # what an affine gain multiplies: the control, or the activation (the next one where actearly)
-        act = before["act"][:, np.maximum(actadr, 0)] if stateful.any() else before["ctrl"]
-        if early.any():
-            tau = jnp.maximum(types.MJ_MINVAL, world("actuator_dynprm")[..., 0])
-            rate = jnp.where(exact, tau * (1.0 - jnp.exp(-timestep[:, None] / tau)), timestep[:, None])
-            ahead = act + before["act_dot"][:, np.maximum(actadr, 0)] * rate
-            limits = world("actuator_actrange")
-            ahead = jnp.where(actlimited, jnp.clip(ahead, limits[..., 0], limits[..., 1]), ahead)
-            act = jnp.where(early, ahead, act)
-        drive = jnp.where(stateful, act, before["ctrl"])
+        drive = before["ctrl"]
+        if stateful.any():
+            act = before["act"][:, actadr]
+            if early.any():
+                tau = jnp.maximum(types.MJ_MINVAL, world("actuator_dynprm")[..., 0])
+                rate = jnp.where(exact, tau * (1.0 - jnp.exp(-timestep[:, None] / tau)), timestep[:, None])
+                ahead = act + before["act_dot"][:, actadr] * rate
+                limits = world("actuator_actrange")
+                ahead = jnp.where(actlimited, jnp.clip(ahead, limits[..., 0], limits[..., 1]), ahead)
+                act = jnp.where(early, ahead, act)
+            drive = jnp.where(stateful, act, drive)
         # each actuator's d force / d velocity, and its moment as a dense row (sparse rows in the data: the entry e
         # belongs to the last actuator whose row starts at or before it)
         vel = world("actuator_biasprm")[..., 2] * affine_bias + world("actuator_gainprm")[..., 2] * affine_gain * drive
@@ -748,13 +757,9 @@ def _plus_actuators(own, per_actuator, gear, on):
 
 
 def _tendon_entries(m):
-    """The entries of the tendons' sparse Jacobian rows (``ten_J``'s layout): each entry's tendon, its index in
-    ``ten_J`` and its dof, in order."""
-    import numpy as np
-
-    rownnz, rowadr, colind = (np.asarray(a.numpy()) for a in (m.ten_J_rownnz, m.ten_J_rowadr, m.ten_J_colind))
-    entry = np.concatenate([rowadr[t] + np.arange(n) for t, n in enumerate(rownnz)] or [[]]).astype(np.int32)
-    return np.repeat(np.arange(m.ntendon), rownnz).astype(np.int32), entry, colind[entry]
+    """The entries of the tendons' sparse Jacobian rows (``ten_J``'s layout): each entry's index in ``ten_J``, its
+    tendon and its dof, in order."""
+    return _csr_entries(m.ten_J_rownnz, m.ten_J_rowadr, m.ten_J_colind)
 
 
 def _tendon_armature_rule(m):
@@ -836,7 +841,7 @@ def _tendon_bias_rules(m) -> list:
     from mujoco_warp._src import smooth
 
     on_tendon = _actuators_on(m, tendons=True)
-    tendon, entry, dof = _tendon_entries(m)
+    entry, tendon, dof = _tendon_entries(m)
 
     def coefficient(before, after):
         coef, qvel = before["ten_bias_coef_out"], before["qvel_in"]

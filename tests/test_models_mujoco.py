@@ -1215,8 +1215,8 @@ def test_float_equality_branches_left_to_warps_adjoint_are_listed(tree):
 
 # The arm with a site at its tip and sensors of each stage: positions (a joint's, clamped by a cutoff it reaches; an
 # actuator's; the tip's in the world and in the upper body's frame, clamped; the forearm's z axis in the upper
-# body's frame; a subtree's centre of mass; the clock; the tip's orientation in the upper body's), velocities and accelerations (a joint's velocity, an
-# actuator's force, the tip's accelerometer, gyro and velocimeter).
+# body's frame; a subtree's centre of mass; the clock; the tip's orientation in the upper body's frame), velocities
+# and accelerations (a joint's velocity, an actuator's force, the tip's accelerometer, gyro and velocimeter).
 SENSORS = ARM.replace('<motor joint="shoulder" gear="1"/>', '<motor name="m0" joint="shoulder" gear="1"/>').replace(
     'size="0.04" mass="0.5"/>', 'size="0.04" mass="0.5"/><site name="tip" pos="0.5 0 0"/>').replace(
     "</actuator>", '</actuator><sensor><jointpos joint="elbow" cutoff="0.4"/><jointvel joint="shoulder"/>'
@@ -1252,7 +1252,8 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
         assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nsensordata),
                                        ("dof_damping", "body_mass"), sensors=True)
 
-    # a ball joint's quaternion and a free body's frame (the tree, turned), a tendon's length: 1 step
+    # a ball joint's quaternion, a free body's position, a geom's axis and orientation (the tree, turned), a
+    # tendon's length: 2 steps
     tree_sensors = TREE.replace("</actuator>", '</actuator><sensor><ballquat joint="shoulder"/><framepos '
                                 'objtype="xbody" objname="torso"/><framexaxis objtype="geom" objname="arm_geom" '
                                 'reftype="body" refname="torso"/><subtreecom body="torso"/><framequat '
@@ -1764,7 +1765,7 @@ def test_the_contact_impedance_equals_mujoco_warps(refsafe):
 
 
 def test_the_rules_solve_equals_a_dense_solve_with_its_gradient():
-    """The inertia's and the constraint solver's rules solve by Cholesky, written out in JAX, with the derivative
+    """The inertia's and the constraint solver's rules solve by Cholesky (Warp kernels on a CPU), with the derivative
     ``custom_linear_solve`` gives: against ``jnp.linalg.solve`` (LU), values and gradients with respect to the matrix
     and the right-hand side."""
     rng = np.random.default_rng(0)
@@ -1810,12 +1811,15 @@ def test_the_rules_solve_calls_no_linear_algebra_library():
     at once on a two-thread pool waited on each other forever (measured on a 2-core machine with ``jnp.linalg.solve``
     at 512 worlds and Cholesky at 4,096, as in a step's backward, where the inertia's and the constraint solver's
     rules solve independently; CPU runs of the humanoid's backward at 64 and 512 worlds hung). The rules' solve and its
-    derivative call no LAPACK (or cuSOLVER) custom call: only warpnn's (the Cholesky kernels)."""
+    derivative call no LAPACK (or cuSOLVER) custom call: on a CPU only warpnn's (the Cholesky kernels), and compiled
+    for a GPU none (the kernels' one thread per world was slower there than JAX's column by column: measured, the
+    humanoid's backward on an H100; ``lowering_platforms`` lowers for a GPU on a CPU-only machine too)."""
     A = jnp.broadcast_to(3.0 * jnp.eye(5), (4, 5, 5))
     b = jnp.ones((4, 5))
     both = jax.grad(lambda A, b: (_spd_solve(A, b) + _spd_solve(2 * A, 3 * b)).sum(), argnums=(0, 1))
     targets = lambda lowered: set(re.findall(r"custom_call @(\w+)", lowered))  # noqa: E731
     assert targets(jax.jit(both).lower(A, b).as_text()) == {"warpnn_native_forward"}
+    assert targets(jax.jit(both).trace(A, b).lower(lowering_platforms=("cuda",)).as_text()) == set()
     lapack = jax.jit(lambda A, b: jnp.linalg.solve(A, b[..., None])).lower(A, b).as_text()
     assert targets(lapack) - {"warpnn_native_forward"}  # (the check sees a library call where there is one)
 
@@ -1841,22 +1845,3 @@ def test_the_cholesky_kernels_equal_their_references(dtype):
                      atol=1e-7)
     with pytest.raises(TypeError, match="float32 or float64"):
         cholesky(jnp.asarray(A_np, jnp.bfloat16))
-
-
-def test_the_rules_solve_by_the_kernels_on_a_cpu_and_by_jax_elsewhere():
-    """``_spd_solve`` (the inertia's and the constraint solver's solves in the rules) and its gradient lower to the
-    Warp kernels for a CPU and to JAX alone for a GPU, where one thread per world was slower (measured: the humanoid's
-    backward on an H100); both give NumPy's solve and its derivative ``-x (A^-1 1)'``."""
-    from warpnn_models.mujoco import _spd_solve
-
-    rng = np.random.default_rng(4)
-    B = rng.standard_normal((3, 6, 6))
-    A_np, b_np = B @ np.swapaxes(B, -1, -2) + 6 * np.eye(6), rng.standard_normal((3, 6))
-    A, b = jnp.asarray(A_np, jnp.float32), jnp.asarray(b_np, jnp.float32)
-    f = jax.jit(lambda A, b: jax.value_and_grad(lambda A: _spd_solve(A, b).sum())(A))
-    lowered = {platform: f.trace(A, b).lower(lowering_platforms=(platform,)).as_text() for platform in ("cpu", "cuda")}
-    assert "warpnn" in lowered["cpu"] and "custom_call" not in lowered["cuda"]
-    x = np.linalg.solve(A_np, b_np[..., None])[..., 0]
-    value, grad = f(A, b)
-    assert_close(value, x.sum(), rtol=1e-5)
-    assert_close(grad, -np.linalg.solve(A_np, np.ones_like(b_np)[..., None]) * x[:, None, :], rtol=1e-4, atol=1e-6)
