@@ -29,7 +29,7 @@ step of mujoco_warp's humanoid (<= 4e-5), and through the cart-pole's active lim
 adjoint gets right are differentiated by rules (:func:`_stage_rules`, ``warpnn.StageRule``): the inertia solve, the
 constraint solver (its optimality conditions at the solution), the primitive narrowphase and the contact Jacobian
 (recomputed in JAX), tree walks over branches that share bodies, springs and dampers (right where mujoco_warp skips
-a zero coefficient), the common position sensors (:func:`_sensor_pos_rule`), the position update (its quaternion
+a zero coefficient), the position sensors but geom distances (:func:`_sensor_pos_rule`), the kinetic energy, the position update (its quaternion
 integration, right at zero angular velocity), the velocity derivative ``implicitfast`` solves with
 (:func:`_implicitfast_rule`); the other
 kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
@@ -246,7 +246,7 @@ def _stage_rules(m) -> list:
     )
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
              _tendon_armature_rule(m), _tendon_dot_rule(m), *_tendon_bias_rules(m), *_sensor_pos_rule(m),
-             *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
+             _kinetic_energy_rule(), *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
              *([_elliptic_rows_rule(m)] if elliptic else []), *_implicitfast_rule(m)]
     return _for_this_mujoco_warp(rules)
 
@@ -876,9 +876,11 @@ def _sensor_pos_rule(m) -> list:
     the kernel is refused whole, whichever sensors a model has. The rule computes the common kinds as the kernel
     does: joint, tendon and actuator positions, a ball joint's normalised quaternion, a frame's position, axes and
     quaternion (of a body's inertial frame, a body, a geom, a site or a camera, in the world or in another such
-    frame), a subtree's centre of mass, the clock; each clamped by its ``cutoff`` (``[-cutoff, cutoff]``, or
-    ``<= cutoff`` for positive data). A model with another kind (magnetometers, camera projections, geom distances,
-    inside-site tests, energies) gets the rule's refusal naming them.
+    frame), a subtree's centre of mass, the clock, a magnetometer (the field in a site's frame), a camera's projection
+    of a site (pixels), an inside-site test (0 or 1: piecewise constant, so its derivative is 0), the energies as
+    the energy stage left them; each clamped by its ``cutoff`` (``[-cutoff, cutoff]``, or ``<= cutoff`` for positive
+    data). A model with another kind (geom distances, normals and from-to segments, which come from the collision
+    stage) gets the rule's refusal naming them.
     """
     import numpy as np
     from mujoco_warp._src import sensor, types
@@ -895,7 +897,9 @@ def _sensor_pos_rule(m) -> list:
         m.sensor_type, m.sensor_objtype, m.sensor_objid, m.sensor_reftype, m.sensor_refid, m.sensor_adr,
         m.sensor_datatype, m.jnt_qposadr))
     covered = {int(k) for k in (S.JOINTPOS, S.TENDONPOS, S.ACTUATORPOS, S.BALLQUAT, S.FRAMEPOS, S.FRAMEXAXIS,
-                                S.FRAMEYAXIS, S.FRAMEZAXIS, S.FRAMEQUAT, S.SUBTREECOM, S.CLOCK)}
+                                S.FRAMEYAXIS, S.FRAMEZAXIS, S.FRAMEQUAT, S.SUBTREECOM, S.CLOCK, S.MAGNETOMETER,
+                                S.CAMPROJECTION, S.INSIDESITE, S.E_POTENTIAL, S.E_KINETIC)}
+    site_type, cam_resolution = host(m.site_type), host(m.cam_resolution).reshape(-1, 2)
     # (_get_quat: a frame's orientation is its body's times its own, but for a body's own frame, XBODY)
     local_quats = {int(O.BODY): ("body_iquat", None), int(O.GEOM): ("geom_quat", host(m.geom_bodyid)),
                    int(O.SITE): ("site_quat", host(m.site_bodyid)), int(O.CAMERA): ("cam_quat", host(m.cam_bodyid))}
@@ -940,6 +944,17 @@ def _sensor_pos_rule(m) -> list:
                 value = before["subtree_com_in"][:, obj]
             elif k == int(S.CLOCK):
                 value = jnp.broadcast_to(before["time_in"], out.shape[:1])[:, None]
+            elif k in (int(S.E_POTENTIAL), int(S.E_KINETIC)):
+                value = before["energy_in"][:, int(k == int(S.E_KINETIC)), None]
+            elif k == int(S.MAGNETOMETER):  # (site_xmat' magnetic)
+                value = jnp.einsum("wji,wj->wi", before["site_xmat_in"][:, obj],
+                                   _per_world(before["opt_magnetic"], out.shape[0]),
+                                   precision=jax.lax.Precision.HIGHEST)
+            elif k == int(S.CAMPROJECTION):
+                value = _camera_projection(before, out.shape[0], obj, int(refid[i]), cam_resolution[int(refid[i])])
+            elif k == int(S.INSIDESITE):
+                value = _inside_site(before, out.shape[0], int(objtype[i]), obj, int(refid[i]),
+                                     int(site_type[int(refid[i])]))
             elif k == int(S.FRAMEQUAT):  # (quat_inv(ref) * quat)
                 value = orientation(objtype[i], obj)
                 if refid[i] >= 0:
@@ -966,16 +981,82 @@ def _sensor_pos_rule(m) -> list:
     floats = ("qpos_in", "ten_length_in", "actuator_length_in", "subtree_com_in", "time_in", "xpos_in", "xmat_in",
               "xipos_in", "ximat_in", "geom_xpos_in", "geom_xmat_in", "site_xpos_in", "site_xmat_in", "cam_xpos_in",
               "cam_xmat_in", "xquat_in", "body_iquat", "geom_quat", "site_quat", "cam_quat", "sensor_cutoff",
-              "sensordata_out")
+              "opt_magnetic", "body_mass", "body_subtreemass", "site_size", "cam_fovy", "cam_sensorsize",
+              "cam_intrinsic", "energy_in", "sensordata_out")
     return [warpnn.StageRule(
         sensor, "_sensor_pos", rule, per_launch=True,
         reads=lambda **a: {n: a[n] for n in floats},
         writes=lambda sensordata_out, **_: {"sensordata_out": sensordata_out},
-        # (what the covered kinds do not read: the other kinds' inputs)
-        ignores=lambda **a: {n: a[n] for n in (
-            "opt_magnetic", "body_mass", "body_subtreemass", "site_size", "cam_fovy", "cam_sensorsize",
-            "cam_intrinsic", "energy_in", "sensor_collision_in")},
+        # (the geom distances' input, which a model with them gets refused)
+        ignores=lambda sensor_collision_in, **_: {"sensor_collision_in": sensor_collision_in},
     )]
+
+
+def _kinetic_energy_rule():
+    """``sensor._energy_vel_kinetic`` (the kinetic energy, ``0.5 qvel' (M qvel)``, where ``opt.enableflags`` has
+    ``energy``) sums by ``wp.tile_reduce``, which Warp has no adjoint for (the kernel is refused). Rule: the same
+    sum."""
+    from mujoco_warp._src import sensor
+
+    def rule(before, after):
+        kinetic = 0.5 * jnp.sum(before["qvel_in"] * before["Mqvel"], axis=-1)
+        return {"energy_out": before["energy_out"].at[:, 1].set(kinetic)}
+
+    return warpnn.StageRule(
+        sensor, "_energy_vel_kinetic", rule, per_launch=True,
+        reads=lambda qvel_in, Mqvel, energy_out: {"qvel_in": qvel_in, "Mqvel": Mqvel, "energy_out": energy_out},
+        writes=lambda energy_out, **_: {"energy_out": energy_out},
+    )
+
+
+def _camera_projection(before, nworld, site, camera, resolution):
+    """``sensor._cam_projection``: a site's position in pixels of a camera (``resolution`` read on the host)."""
+    from mujoco_warp._src.types import MJ_MINVAL
+    xmat, xpos = before["cam_xmat_in"][:, camera], before["cam_xpos_in"][:, camera]
+    v = jnp.einsum("wji,wj->wi", xmat, before["site_xpos_in"][:, site] - xpos, precision=jax.lax.Precision.HIGHEST)
+    sensorsize = before["cam_sensorsize"][camera]
+    intrinsic = _per_world(before["cam_intrinsic"], nworld)[:, camera]
+    fovy = _per_world(before["cam_fovy"], nworld)[:, camera]
+    width, height = (float(r) for r in resolution)
+    # (focal lengths from the intrinsics where the camera has a sensor size, else from the vertical field of view)
+    from_fovy = 0.5 / jnp.tan(fovy * (jnp.pi / 360.0)) * height
+    has_size = (sensorsize[0] != 0.0) & (sensorsize[1] != 0.0)
+    fx = jnp.where(has_size, intrinsic[:, 0] / (sensorsize[0] + MJ_MINVAL) * width, from_fovy)
+    fy = jnp.where(has_size, intrinsic[:, 1] / (sensorsize[1] + MJ_MINVAL) * height, from_fovy)
+    denom = jnp.where(jnp.abs(v[:, 2]) < MJ_MINVAL, jnp.where(v[:, 2] < 0.0, -MJ_MINVAL, MJ_MINVAL), v[:, 2])
+    return jnp.stack([-fx * v[:, 0], fy * v[:, 1]], axis=-1) / denom[:, None] + 0.5 * jnp.asarray([width, height])
+
+
+def _inside_site(before, nworld, objtype, obj, site, site_type):
+    """``sensor._sensor_pos``'s inside-site test (``util_misc.inside_geom``): 1.0 where an object's position lies
+    inside a site's primitive, else 0.0. Piecewise constant in every input, so its derivative is 0 wherever it is
+    defined; ``stop_gradient`` says so rather than leaving comparisons to JAX."""
+    from mujoco_warp._src import types
+
+    O, G, MJ_MINVAL = types.ObjType, types.GeomType, types.MJ_MINVAL
+    if objtype == int(O.BODY) and obj > 0:  # (a massless body with mass below it: its subtree's centre)
+        massless = ((_per_world(before["body_mass"], nworld)[:, obj] < MJ_MINVAL)
+                    & (_per_world(before["body_subtreemass"], nworld)[:, obj] >= MJ_MINVAL))
+        point = jnp.where(massless[:, None], before["subtree_com_in"][:, obj], before["xipos_in"][:, obj])
+    else:
+        point = before[{int(O.XBODY): "xpos_in", int(O.BODY): "xipos_in", int(O.GEOM): "geom_xpos_in",
+                        int(O.SITE): "site_xpos_in", int(O.CAMERA): "cam_xpos_in"}[objtype]][:, obj]
+    vec = jax.lax.stop_gradient(point - before["site_xpos_in"][:, site])
+    size = jax.lax.stop_gradient(before["site_size"][site])
+    local = jnp.einsum("wji,wj->wi", jax.lax.stop_gradient(before["site_xmat_in"][:, site]), vec,
+                       precision=jax.lax.Precision.HIGHEST)
+    square = lambda a: a * a  # noqa: E731
+    inside = {
+        int(G.SPHERE): lambda: jnp.sum(vec * vec, -1) < square(size[0]),
+        int(G.CAPSULE): lambda: (square(local[:, 0]) + square(local[:, 1])
+                                 + square(local[:, 2] - jnp.clip(local[:, 2], -size[1], size[1])) < square(size[0])),
+        int(G.ELLIPSOID): lambda: jnp.sum(square(local / size), -1) < 1.0,
+        int(G.CYLINDER): lambda: (jnp.abs(local[:, 2]) < size[1]) & (square(local[:, 0]) + square(local[:, 1])
+                                                                     < square(size[0])),
+        int(G.BOX): lambda: jnp.all(jnp.abs(local) < size, -1),
+        int(G.PLANE): lambda: local[:, 2] < 0.0,
+    }.get(site_type, lambda: jnp.zeros(vec.shape[:1], bool))()
+    return inside.astype(vec.dtype)[:, None]
 
 
 def _transmission_rule(m) -> list:

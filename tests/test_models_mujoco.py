@@ -1236,7 +1236,7 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
     matches central differences of mj_step (1e-3 relative; measured <= 1.1e-5 through 1 step, 2026-12-07, CPU);
     so through 2 steps do a ball joint's quaternion, a free body's position, a geom's axis in a body's frame and a
     subtree's centre of mass and a geom's orientation on the turned tree, and a tendon's length. A kind the rule does
-    not cover (a magnetometer) is refused naming it, never a silent gradient."""
+    not cover (a geom distance) is refused naming it, never a silent gradient."""
     mjm, mjd = start(SENSORS, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     mjd.ctrl[:] = [0.3, -0.2]
     mujoco.mj_forward(mjm, mjd)
@@ -1269,12 +1269,60 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
         assert_gradients_match_mj_step(step, mjm, mjd, 2, np.linspace(-1.0, 1.0, mjm.nsensordata), ("dof_damping",),
                                        sensors=True)
 
-    mjm, mjd = start(SENSORS.replace("<clock/>", '<magnetometer site="tip"/>'))
+    # a geom distance (the collision stage's) is refused
+    named = SENSORS.replace('<geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.05"',
+                            '<geom name="g0" type="capsule" fromto="0 0 0 0.5 0 0" size="0.05"').replace(
+        '<geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.04"',
+        '<geom name="g1" type="capsule" fromto="0 0 0 0.5 0 0" size="0.04"')
+    mjm, mjd = start(named.replace("<clock/>", '<distance geom1="g0" geom2="g1"/>'))
     step = MujocoStep(mjm, mjd)
-    assert "MAGNETOMETER" in step.reverse_refusals()["mujoco_warp._src.sensor._sensor_pos"]
+    assert "GEOMDIST" in step.reverse_refusals()["mujoco_warp._src.sensor._sensor_pos"]
     state = step.initial_state()
-    with pytest.raises(TypeError, match="_sensor_pos.*MAGNETOMETER"):
+    with pytest.raises(TypeError, match="_sensor_pos.*GEOMDIST"):
         jax.grad(lambda qpos: jnp.sum(step({**state, "qpos": qpos})["sensordata"]))(state["qpos"])
+
+
+# SENSORS with a magnetic field, two cameras (one by its field of view, one by its sensor size and focal length), a
+# box site the tip and a sphere site the forearm's centre of mass start in and leave by step 9, and energy on: a magnetometer,
+# camera projections of the tip, inside-site tests, the potential and kinetic energies.
+MORE_SENSORS = SENSORS.replace(
+    '<option timestep="0.01" iterations="4">', '<option timestep="0.01" iterations="4" magnetic="0.1 -0.3 0.5">').replace(
+    '<flag contact="disable"/>', '<flag contact="disable" energy="enable"/>').replace(
+    "<worldbody>", '<worldbody><camera name="c" pos="0.4 -2 0.1" xyaxes="1 0 0 0 0 1" resolution="640 480"/>'
+    '<camera name="c2" pos="0.2 -2 0.1" xyaxes="1 0 0 0 0 1" resolution="320 240" sensorsize="0.01 0.008" '
+    'focal="0.02 0.02"/><site name="zone" type="box" pos="0.8 0 0.02" size="0.3 0.3 0.1"/>'
+    '<site name="ball" type="sphere" pos="0.5 0 0" size="0.246"/>').replace(
+    "<clock/>", '<magnetometer site="tip"/><camprojection site="tip" camera="c"/><camprojection site="tip" '
+    'camera="c2"/><insidesite objtype="site" objname="tip" site="zone"/><insidesite objtype="body" objname="fore" '
+    'site="ball"/><e_potential/><e_kinetic/>')
+
+
+@pytest.mark.slow  # (~60 s of a 2-core CPU)
+def test_magnetometers_cameras_inside_sites_and_energies_differentiate():
+    """The other position sensor kinds of the rule: a magnetometer, camera projections (pixels), inside-site tests
+    (0 or 1, derivative 0) and the energies (the kinetic one summed by ``tile_reduce`` in ``_energy_vel_kinetic``,
+    which Warp has no adjoint for: a rule). ``sensordata`` steps as mujoco_warp's; gradients through 1 and 10 steps
+    match mj_step's central differences (1e-3 relative). mujoco_warp's kinetic energy sensor reads this step's
+    energy where MuJoCo's reads the one its last step left (measured: mj_step's after 2 steps equals mujoco_warp's
+    after 1), so it takes part through 1 step only."""
+    mjm, mjd = start(MORE_SENSORS, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    mjd.ctrl[:] = [0.3, -0.2]
+    types = [mujoco.mjtSensor(t) for t in mjm.sensor_type]
+    inside = [mjm.sensor_adr[i] for i, t in enumerate(types) if t == mujoco.mjtSensor.mjSENS_INSIDESITE]
+    mujoco.mj_forward(mjm, mjd)
+    assert list(mjd.sensordata[inside]) == [1.0, 1.0]
+    step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "body_mass"))
+    assert step.reverse_refusals() == {}
+    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd, nworld=1)
+    for _ in range(10):
+        mjw.step(m, d)
+    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(step.initial_state())
+    np.testing.assert_allclose(np.asarray(final["sensordata"]), d.sensordata.numpy(), rtol=2e-6, atol=1e-6)
+    assert list(d.sensordata.numpy()[0, inside]) == [0.0, 0.0]  # (both left their sites)
+    weights = np.linspace(-1.0, 1.0, mjm.nsensordata)
+    assert_gradients_match_mj_step(step, mjm, mjd, 1, weights, ("dof_damping", "body_mass"), sensors=True)
+    weights[mjm.sensor_adr[types.index(mujoco.mjtSensor.mjSENS_E_KINETIC)]] = 0.0
+    assert_gradients_match_mj_step(step, mjm, mjd, 10, weights, ("dof_damping", "body_mass"), sensors=True)
 
 
 def test_contacts_the_rules_do_not_cover_are_refused_naming_the_stage():
