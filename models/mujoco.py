@@ -31,13 +31,14 @@ constraint solver (its optimality conditions at the solution), the primitive nar
 (recomputed in JAX), tree walks over branches that share bodies, springs and dampers (right where mujoco_warp skips
 a zero coefficient), the position sensors but geom distances (:func:`_sensor_pos_rule`), the kinetic energy, the position update (its quaternion
 integration, right at zero angular velocity), the velocity derivative ``implicitfast`` solves with
-(:func:`_implicitfast_rule`); the other
+(:func:`_velocity_derivative_rule`), and the ``implicit`` integrator's Coriolis derivative and LU solve
+(:func:`_implicit_rules`); the other
 kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
 cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, a capsule's with capsules and
 boxes, two boxes (with ``nativeccd`` disabled: else mujoco_warp collides them by GJK/EPA), a mesh on a plane (other
-mesh and convex pairs are refused), a sparse constraint Jacobian, spatial tendons, the ``implicit`` integrator.
+mesh and convex pairs are refused), a sparse constraint Jacobian, spatial tendons.
 Elliptic friction cones differentiate (the contact rows by a rule, the solver's rule with the cone's force), and so
 do the Euler, RK4 and ``implicitfast`` integrators and the Newton and CG solvers. See ``docs/mujoco.md``.
 
@@ -66,7 +67,8 @@ import warp as wp
 import warpnn
 
 from ._carry import trace_carrying
-from ._cholesky import cholesky, cholesky_reference, cholesky_solve, cholesky_solve_reference
+from ._linear_algebra import (cholesky, cholesky_reference, cholesky_solve, cholesky_solve_reference, lu_reference,
+                              lu_solve_reference)
 
 __all__ = ["MujocoStep", "data_arrays", "equinox_module", "nnx_module", "rollout"]
 
@@ -247,7 +249,7 @@ def _stage_rules(m) -> list:
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
              _tendon_armature_rule(m), _tendon_dot_rule(m), *_tendon_bias_rules(m), *_sensor_pos_rule(m),
              _kinetic_energy_rule(), *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
-             *([_elliptic_rows_rule(m)] if elliptic else []), *_implicitfast_rule(m)]
+             *([_elliptic_rows_rule(m)] if elliptic else []), *_velocity_derivative_rule(m), *_implicit_rules(m)]
     return _for_this_mujoco_warp(rules)
 
 
@@ -331,7 +333,7 @@ def _spd_solve(A, b):
     By Cholesky, whose factor the solve's derivative reuses (``lax.custom_linear_solve``, as
     ``jax.scipy.linalg.solve(assume_a="pos")`` does), the factor held constant (``custom_linear_solve``
     differentiates the solve by solving again). On a CPU the factorization and the substitutions are Warp kernels,
-    one thread per world (``warpnn_models._cholesky``, built without adjoints); elsewhere their pure-JAX references,
+    one thread per world (``warpnn_models._linear_algebra``, built without adjoints); elsewhere their pure-JAX references,
     column by column over every world at once (``jax.lax.platform_dependent`` picks by the platform compiled for).
     Measured (fwd+bwd of the humanoid's 20-step rollout, 2026-12-07): CPU, 64 worlds, kernels 3,820 steps/s against
     JAX's 3,117 (each of the JAX loops' ``n`` steps an XLA operation of its own); H100, 1,024 worlds, JAX 303k
@@ -346,6 +348,18 @@ def _spd_solve(A, b):
     return jax.lax.custom_linear_solve(
         lambda x: _matvec(A, x), b, symmetric=True,
         solve=lambda _, x: jax.lax.platform_dependent(factor, x, cpu=cholesky_solve, default=cholesky_solve_reference))
+
+
+def _lu_solve(A, b):
+    """``A^-1 b`` per world for a square ``A`` that needs no pivoting (the ``implicit`` integrator's ``M - dt
+    qDeriv``, which mujoco_warp's ``factor_solve_lu`` factorizes without pivoting too): LU in JAX, column by column
+    over every world (``_linear_algebra.lu_reference``; not LAPACK, see :func:`_spd_solve`), the factors held
+    constant and the solve differentiated by solving again (``lax.custom_linear_solve``: ``A``'s transpose for the
+    cotangent)."""
+    factors = lu_reference(jax.lax.stop_gradient(A))
+    return jax.lax.custom_linear_solve(
+        lambda x: _matvec(A, x), b, solve=lambda _, x: lu_solve_reference(factors, x),
+        transpose_solve=lambda _, x: lu_solve_reference(factors, x, transpose=True))
 
 
 def _quat_integrate(q, omega, dt):
@@ -426,6 +440,27 @@ def _motion_cross(u, v):
     """mujoco_warp's ``math.motion_cross`` of two spatial motions (angular, then linear)."""
     return jnp.concatenate([jnp.cross(u[..., :3], v[..., :3]),
                             jnp.cross(u[..., 3:], v[..., :3]) + jnp.cross(u[..., :3], v[..., 3:])], -1)
+
+
+def _motion_cross_force(v, f):
+    """mujoco_warp's ``math.motion_cross_force`` of a spatial motion and a force (angular, then linear)."""
+    return jnp.concatenate([jnp.cross(v[..., :3], f[..., :3]) + jnp.cross(v[..., 3:], f[..., 3:]),
+                            jnp.cross(v[..., :3], f[..., 3:])], -1)
+
+
+def _inert_vec(i, v):
+    """mujoco_warp's ``math.inert_vec``: a body's spatial inertia (its 10 numbers) times a spatial motion."""
+    return jnp.stack([
+        i[..., 0] * v[..., 0] + i[..., 3] * v[..., 1] + i[..., 4] * v[..., 2] - i[..., 8] * v[..., 4]
+        + i[..., 7] * v[..., 5],
+        i[..., 3] * v[..., 0] + i[..., 1] * v[..., 1] + i[..., 5] * v[..., 2] + i[..., 8] * v[..., 3]
+        - i[..., 6] * v[..., 5],
+        i[..., 4] * v[..., 0] + i[..., 5] * v[..., 1] + i[..., 2] * v[..., 2] - i[..., 7] * v[..., 3]
+        + i[..., 6] * v[..., 4],
+        i[..., 8] * v[..., 1] - i[..., 7] * v[..., 2] + i[..., 9] * v[..., 3],
+        i[..., 6] * v[..., 2] - i[..., 8] * v[..., 0] + i[..., 9] * v[..., 4],
+        i[..., 7] * v[..., 0] - i[..., 6] * v[..., 1] + i[..., 9] * v[..., 5],
+    ], -1)
 
 
 def _tree_rules(m) -> list:
@@ -560,10 +595,11 @@ def _quat_difference(q, ref):
     return axis * jnp.where(nonzero, speed / jnp.where(nonzero, s, 1.0), 2.0 / jnp.where(nonzero, 1.0, w))
 
 
-def _implicitfast_rule(m) -> list:
-    """``derivative.deriv_smooth_vel(m, d, out)`` by a rule, for the ``implicitfast`` integrator: ``out = M - dt
-    qDeriv`` in ``M``'s sparse layout, ``qDeriv`` the velocity derivative of the actuator and passive forces, which
-    the step then solves with (``smooth.factor_solve_i``, whose rule covers it). Its kernels leave loops early and
+def _velocity_derivative_rule(m) -> list:
+    """``derivative.deriv_smooth_vel(m, d, out)`` by a rule, for the ``implicitfast`` and ``implicit`` integrators:
+    ``out = M - dt qDeriv`` in ``M``'s sparse layout, ``qDeriv`` the velocity derivative of the actuator and passive
+    forces, which implicitfast then solves with (``smooth.factor_solve_i``, whose rule covers it) and implicit
+    completes with the Coriolis forces' derivative (:func:`_implicit_rules`). Its kernels leave loops early and
     measure arrays inside ``@wp.func``s after use, which Warp's adjoint gets wrong (refused). The rule, as the
     kernels: each actuator's ``d force / d velocity`` (an affine bias's ``biasprm[2]``, plus an affine gain's
     ``gainprm[2]`` times its control, or with activation dynamics its activation, the next one where ``actearly``;
@@ -577,8 +613,9 @@ def _implicitfast_rule(m) -> list:
     import numpy as np
     from mujoco_warp._src import derivative, types
 
-    if m.opt.integrator != types.IntegratorType.IMPLICITFAST:
+    if m.opt.integrator not in (types.IntegratorType.IMPLICITFAST, types.IntegratorType.IMPLICIT):
         return []
+    integrator = types.IntegratorType(m.opt.integrator).name.lower()
 
     def host(a):
         return np.asarray(a.numpy())
@@ -611,7 +648,7 @@ def _implicitfast_rule(m) -> list:
 
     def rule(before, after):
         if unsupported:
-            raise NotImplementedError("the implicitfast rule (derivative.deriv_smooth_vel) does not cover "
+            raise NotImplementedError(f"the {integrator} rule (derivative.deriv_smooth_vel) does not cover "
                                       + ", ".join(unsupported) + ", which this model has")
         qvel, M = before["qvel"], before["M"]
         nworld, dtype = qvel.shape[0], qvel.dtype
@@ -685,6 +722,90 @@ def _implicitfast_rule(m) -> list:
         ignores=lambda m, d, out: {"actuator_length": d.actuator_length, "actuator_velocity": d.actuator_velocity,
                                    "qfrc_actuator": d.qfrc_actuator, "actuator_force": d.actuator_force},
     )]
+
+
+def _implicit_rules(m) -> list:
+    """The ``implicit`` integrator's stages after ``deriv_smooth_vel`` (:func:`_velocity_derivative_rule`), by rules:
+
+    * ``derivative.deriv_rne_vel(m, d, out)`` adds ``dt d(qfrc_bias)/d(qvel)`` (the Coriolis and centrifugal forces'
+      derivative) to ``out`` in the D layout (``qD_fullm_i/j``): four tree walks, one of which adds each body's
+      derivative into its parent's with atomics while reading its own from the same array (refused). The rule is
+      the same recursions body by body in JAX (the tree's levels in order, then reversed): each body's velocity and
+      each dof's ``cdof_dot`` differentiated w.r.t. every ``qvel_k``, then its bias acceleration and force, the
+      forces summed up the tree and projected on the dofs' ``cdof``.
+    * ``smooth.factor_solve_lu(m, d, qLU, qacc, qfrc)`` factorizes the non-symmetric ``qLU`` in place and solves
+      (its kernel reads what it wrote: refused). Rule: the solve (:func:`_lu_solve`); ``qLU``'s factors get no
+      gradient (nothing after the solve reads them).
+    """
+    import numpy as np
+    from mujoco_warp._src import derivative, smooth, types
+
+    if m.opt.integrator != types.IntegratorType.IMPLICIT:
+        return []
+    parent, jntnum, jntadr, dofadr, dofnum = (np.asarray(a.numpy()) for a in (
+        m.body_parentid, m.body_jntnum, m.body_jntadr, m.body_dofadr, m.body_dofnum))
+    jnt_type, dof_bodyid = np.asarray(m.jnt_type.numpy()), np.asarray(m.dof_bodyid.numpy())
+    FREE, BALL = int(types.JointType.FREE), int(types.JointType.BALL)
+    levels = [np.asarray(level.numpy()) for level in m.body_tree]
+    rows_D, cols_D = np.asarray(m.qD_fullm_i.numpy()), np.asarray(m.qD_fullm_j.numpy())
+    nv = m.nv
+
+    def coriolis(before, after):
+        qvel, cdof, cinert, cvel, cdof_dot = (before[n] for n in ("qvel", "cdof", "cinert", "cvel", "cdof_dot"))
+        nworld = qvel.shape[0]
+        zero = jnp.zeros((nworld, nv, 6), qvel.dtype)  # (world, k, spatial): d(.)/d(qvel_k)
+        dcvel, dcdof_dot = {0: zero}, {}
+        for b in (int(b) for level in levels for b in level):  # d cvel, d cdof_dot (deriv_rne_cvel_cdof_dot)
+            v, d = dcvel.get(int(parent[b]), zero), dofadr[b]
+            for j in range(jntadr[b], jntadr[b] + jntnum[b]):
+                n, moved = {FREE: 6, BALL: 3}.get(int(jnt_type[j]), 1), 3 if jnt_type[j] == FREE else 0
+                for k in range(d, d + moved):  # (a free joint's first three dofs: no cdof_dot)
+                    v = v.at[:, k].add(cdof[:, k])
+                for k in range(d + moved, d + n):  # (each with the velocity before any of this joint's own)
+                    dcdof_dot[k] = _motion_cross(v, cdof[:, k, None])
+                for k in range(d + moved, d + n):
+                    v = v.at[:, k].add(cdof[:, k])
+                d += n
+            dcvel[b] = v
+        dcacc, dforce = {0: zero}, {}
+        for b in (int(b) for level in levels for b in level):  # d cacc, d cfrc_body (deriv_rne_cacc_cfrcbody_...)
+            a = dcacc.get(int(parent[b]), zero)
+            for j in range(dofadr[b], dofadr[b] + dofnum[b]):
+                a = a.at[:, j].add(cdof_dot[:, j])
+                if j in dcdof_dot:
+                    a = a + dcdof_dot[j] * qvel[:, j, None, None]
+            dcacc[b] = a
+            inertia, velocity, dv = cinert[:, b, None], cvel[:, b, None], dcvel[b]
+            dforce[b] = (_inert_vec(inertia, a) + _motion_cross_force(dv, _inert_vec(inertia, velocity))
+                         + _motion_cross_force(velocity, _inert_vec(inertia, dv)))
+        for level in reversed(levels):  # (deriv_rne_cfrcbody_backward: children into parents)
+            for b in (int(b) for b in level):
+                p = int(parent[b])
+                if p in dforce:
+                    dforce[p] = dforce[p] + dforce[b]
+        body_force = jnp.stack([dforce.get(int(dof_bodyid[i]), zero) for i in range(nv)], 1)  # (world, i, k, 6)
+        term = jnp.sum(cdof[:, rows_D] * body_force[:, rows_D, cols_D], -1)
+        return {"out": before["out"] + _per_world(before["opt.timestep"], nworld)[:, None] * term}
+
+    entries, rows, cols = _csr_entries(m.D_rownnz, m.D_rowadr, m.D_colind)
+
+    def lu(before, after):
+        qLU = before["qLU"]
+        A = jnp.zeros((qLU.shape[0], nv, nv), qLU.dtype).at[:, rows, cols].set(qLU[:, entries])
+        return {"qacc": _lu_solve(A, before["qfrc"])}
+
+    return [
+        warpnn.StageRule(
+            derivative, "deriv_rne_vel", coriolis,
+            reads=lambda m, d, out: {"out": out, "qvel": d.qvel, "cdof": d.cdof, "cinert": d.cinert, "cvel": d.cvel,
+                                     "cdof_dot": d.cdof_dot, "opt.timestep": m.opt.timestep},
+            writes=lambda m, d, out: {"out": out}),
+        warpnn.StageRule(
+            smooth, "factor_solve_lu", lu,
+            reads=lambda m, d, qLU, qacc, qfrc: {"qLU": qLU, "qfrc": qfrc},
+            writes=lambda m, d, qLU, qacc, qfrc: {"qacc": qacc},
+            ignores=lambda m, d, qLU, qacc, qfrc: {"qacc": qacc}),  # (overwritten)
+    ]
 
 
 def _applied_force_rule(m):

@@ -24,7 +24,7 @@ from .helpers import assert_close, on_one_device  # noqa: E402
 from mujoco_warp._src import collision_primitive_core as mjw_core, constraint as mjw_constraint  # noqa: E402
 from mujoco_warp._src import math as mjw_math, types as mjw_types  # noqa: E402
 from warpnn_models.mujoco import (  # noqa: E402
-    MujocoStep, _inertia_to_dense, _spd_solve, equinox_module, nnx_module, rollout)
+    MujocoStep, _inertia_to_dense, _lu_solve, _spd_solve, equinox_module, nnx_module, rollout)
 
 T = 50
 
@@ -516,7 +516,7 @@ def servo_arm(ctrl):
 def test_implicitfast_steps_equal_mujoco_warps_and_differentiate():
     """implicitfast solves with ``M - dt qDeriv``, the forces' velocity derivative, which mujoco_warp computes in
     kernels Warp's adjoint gets wrong (``derivative._qderiv_*``: refused before); its rule
-    (warpnn_models.mujoco._implicitfast_rule) computes it from the servos' ``kv`` and the joints' damping. 10 steps
+    (warpnn_models.mujoco._velocity_derivative_rule) computes it from the servos' ``kv`` and the joints' damping. 10 steps
     of the servo arm equal mujoco_warp's, and the gradient through them w.r.t. the controls, the initial velocity,
     damping, gains and biases matches central differences of mj_step's implicitfast (1e-3 relative; measured
     2026-12-07, CPU: within it, also with ``dof_dampingpoly`` set)."""
@@ -550,30 +550,50 @@ def test_implicitfast_differentiates_a_clamped_servo_and_free_and_ball_joints():
                                        ("body_mass", "dof_damping"))
 
 
-# (implicit: slow, 19 s of CI's CPU, its LU kernels compiled anew; the refusal of what implicitfast's rule does not
-# cover runs there)
-@pytest.mark.parametrize("case", [pytest.param("implicit", marks=pytest.mark.slow), "implicitfast with fluid forces"])
-def test_what_the_implicit_rules_do_not_cover_steps_as_mujoco_warp_and_refuses_reverse_mode(case):
-    """The ``implicit`` integrator (its LU factorization and the derivative kernels have no rule) and implicitfast
-    with what its rule does not cover (fluid forces here): the forward replays mujoco_warp's launches, equal to its
-    steps; reverse mode is refused at trace time, naming the kernels or the stage and what it does not cover, never
-    a silent gradient."""
-    xml = with_integrator(ARM, case.split()[0])
-    if case != "implicit":
-        xml = xml.replace('iterations="4"', 'iterations="4" density="1.2" viscosity="0.5"')
+@pytest.mark.parametrize("case", ["servo arm", "tree"])
+@pytest.mark.slow  # (~40 s each of a 2-core CPU; implicitfast's servo arm runs in CI)
+def test_the_implicit_integrator_steps_as_mujoco_warps_and_differentiates(case):
+    """``implicit`` solves with ``M - dt (qDeriv - d qfrc_bias / d qvel)``: the actuators' and dampers' derivative
+    (``deriv_smooth_vel``, implicitfast's rule), the Coriolis forces' (``deriv_rne_vel``: a tree walk adding each
+    body's derivative into its parent's with atomics, refused) and a non-symmetric LU solve (``factor_solve_lu``: its
+    kernel reads what it wrote, refused); rules compute the last two (warpnn_models.mujoco._implicit_rules). 10 steps
+    of the servo arm and of the moving tree (free, ball, hinge and slide joints) equal mujoco_warp's; gradients
+    through 1 and 10 steps match central differences of mj_step's implicit (1e-3 relative; measured 2026-12-07, CPU:
+    the arm <= 5.4e-7, the tree <= 1.2e-5). Holding the Coriolis
+    rule's inputs constant (stop_gradient) fails the tree's (0.10 relative, tried); leaving its term out fails the
+    trace-time value check."""
+    if case == "tree":
+        mjm = mujoco.MjModel.from_xml_string(with_integrator(TREE, "implicit"))
+        mjm, mjd = start(mjm, qpos=tree_pose(mjm, [0.9, 0.2, -0.3, 0.1]), qvel=np.linspace(-1.5, 2.0, mjm.nv))
+        mjm.body_sameframe[:] = 0  # (see the tree fixture)
+        mjd.ctrl[:] = [0.2, -0.1, 0.3]
+        fields = ("body_mass", "dof_damping")
+    else:
+        mjm, mjd = start(SERVO_ARM.replace('integrator="implicitfast"', 'integrator="implicit"'), qpos=[0.3, -0.5],
+                         qvel=[0.5, -1.0])
+        mjd.ctrl[:] = [0.25, -0.1]
+        fields = SERVO_FIELDS
+    mujoco.mj_forward(mjm, mjd)
+    step = MujocoStep(mjm, mjd, param_fields=fields)
+    assert step.reverse_refusals() == {}
+    assert "stage mujoco_warp._src.derivative.deriv_rne_vel (" in step.program.describe()
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
+    for steps in (1, 10):
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), fields)
+
+
+def test_what_implicitfasts_rule_does_not_cover_steps_as_mujoco_warp_and_refuses_reverse_mode():
+    """implicitfast with what its rule does not cover (fluid forces here): the forward replays mujoco_warp's
+    launches, equal to its steps; reverse mode is refused at trace time, naming the stage and what it does not
+    cover, never a silent gradient."""
+    xml = with_integrator(ARM, "implicitfast").replace('iterations="4"',
+                                                       'iterations="4" density="1.2" viscosity="0.5"')
     mjm, mjd = start(xml, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     step = MujocoStep(mjm, mjd)
-    refused = step.reverse_refusals()
-    if case == "implicit":
-        assert any("_qderiv_actuator_passive" in kernel for kernel in refused)
-        assert any("_factor_solve_lu" in kernel for kernel in refused)
-        refusal = "cannot be differentiated"
-    else:
-        assert "fluid forces" in refused["mujoco_warp._src.derivative.deriv_smooth_vel"]
-        refusal = "deriv_smooth_vel.*fluid forces"
+    assert "fluid forces" in step.reverse_refusals()["mujoco_warp._src.derivative.deriv_smooth_vel"]
     assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
     state = step.initial_state()
-    with pytest.raises(TypeError, match=refusal):
+    with pytest.raises(TypeError, match="deriv_smooth_vel.*fluid forces"):
         jax.grad(lambda qvel: jnp.sum(step({**state, "qvel": qvel})["qpos"]))(state["qvel"])
 
 
@@ -1812,14 +1832,17 @@ def test_the_contact_impedance_equals_mujoco_warps(refsafe):
     assert len(np.unique(np.round(got[:, 2], 4))) > 100  # (the impedance curve, not its ends only)
 
 
-def test_the_rules_solve_equals_a_dense_solve_with_its_gradient():
-    """The inertia's and the constraint solver's rules solve by Cholesky (Warp kernels on a CPU), with the derivative
-    ``custom_linear_solve`` gives: against ``jnp.linalg.solve`` (LU), values and gradients with respect to the matrix
-    and the right-hand side."""
+@pytest.mark.parametrize("symmetric", [True, False], ids=["Cholesky", "LU"])
+def test_the_rules_solve_equals_a_dense_solve_with_its_gradient(symmetric):
+    """The inertia's and the constraint solver's rules solve by Cholesky (Warp kernels on a CPU), the implicit
+    integrator's a non-symmetric matrix by LU without pivoting (in JAX), with the derivative ``custom_linear_solve``
+    gives (the transposed solve for LU): against ``jnp.linalg.solve`` (LAPACK's LU with pivoting), values and
+    gradients with respect to the matrix and the right-hand side."""
     rng = np.random.default_rng(0)
     B = rng.standard_normal((5, 7, 7))
-    A = jnp.asarray(B @ B.transpose(0, 2, 1) + 7 * np.eye(7), jnp.float32)
+    A = jnp.asarray((B @ B.transpose(0, 2, 1) if symmetric else B) + 7 * np.eye(7), jnp.float32)
     b = jnp.asarray(rng.standard_normal((5, 7)), jnp.float32)
+    solve = _spd_solve if symmetric else _lu_solve
 
     def dense(A, b):
         return jnp.linalg.solve(A, b[..., None])[..., 0]
@@ -1827,8 +1850,8 @@ def test_the_rules_solve_equals_a_dense_solve_with_its_gradient():
     def loss(solve):
         return lambda A, b: jnp.sum(jnp.sin(solve(A, b)))
 
-    assert_close(jax.jit(_spd_solve)(A, b), dense(A, b), rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.grad(loss(_spd_solve), (0, 1))(A, b), jax.grad(loss(dense), (0, 1))(A, b)):
+    assert_close(jax.jit(solve)(A, b), dense(A, b), rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.grad(loss(solve), (0, 1))(A, b), jax.grad(loss(dense), (0, 1))(A, b)):
         assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
@@ -1876,7 +1899,7 @@ def test_the_rules_solve_calls_no_linear_algebra_library():
 def test_the_cholesky_kernels_equal_their_references(dtype):
     """The rules' factorization and solve (Warp kernels, one thread per matrix) against the same arithmetic in JAX
     and against NumPy, for a batch of any shape, float32 and float64."""
-    from warpnn_models._cholesky import cholesky, cholesky_reference, cholesky_solve, cholesky_solve_reference
+    from warpnn_models._linear_algebra import cholesky, cholesky_reference, cholesky_solve, cholesky_solve_reference
 
     rng = np.random.default_rng(3)
     B = rng.standard_normal((2, 3, 9, 9))

@@ -1,10 +1,13 @@
-"""Batched Cholesky factorization and solve as Warp kernels, one thread per matrix, for the MuJoCo rules' solves.
+"""Batched factorizations and solves for the MuJoCo rules, without LAPACK or cuSOLVER (see ``mujoco._spd_solve``).
 
-Not differentiated (built without adjoints): :func:`warpnn_models.mujoco._spd_solve` holds the factor constant and
-differentiates the solve through ``lax.custom_linear_solve``, which solves again. Float32 and float64. Pure-JAX
-references of the same arithmetic: :func:`cholesky_reference`, :func:`cholesky_solve_reference`, which the rules
-use on a GPU, where one thread per matrix is slower than the references' column-by-column operations over every
-matrix (see ``_spd_solve``).
+Cholesky as Warp kernels, one thread per matrix: :func:`cholesky`, :func:`cholesky_solve`. Not differentiated (built
+without adjoints): :func:`warpnn_models.mujoco._spd_solve` holds the factor constant and differentiates the solve
+through ``lax.custom_linear_solve``, which solves again. Float32 and float64. Pure-JAX references of the same
+arithmetic: :func:`cholesky_reference`, :func:`cholesky_solve_reference`, which the rules use on a GPU, where one
+thread per matrix is slower than the references' column-by-column operations over every matrix.
+
+LU without pivoting, in JAX (:func:`lu_reference`, :func:`lu_solve_reference`): the ``implicit`` integrator's
+non-symmetric ``M - dt qDeriv``, which mujoco_warp (and MuJoCo) factorize without pivoting too.
 """
 
 # No `from __future__ import annotations`: Warp evaluates kernel annotations.
@@ -107,4 +110,30 @@ def cholesky_solve_reference(L, b):
     x = jnp.zeros_like(b)
     for j in reversed(range(n)):
         x = x.at[..., j].set((y[..., j] - jnp.sum(L[..., j + 1 :, j] * x[..., j + 1 :], -1)) / L[..., j, j])
+    return x
+
+
+def lu_reference(A):
+    """The LU factors of each square matrix without pivoting, packed: ``(..., n, n) -> (..., n, n)``, the unit lower
+    factor's entries below the diagonal, the upper factor on and above it (Doolittle, row by row of ``U``)."""
+    n = A.shape[-1]
+    for k in range(n - 1):
+        below = A[..., k + 1:, k] / A[..., k, k, None]
+        A = A.at[..., k + 1:, k].set(below)
+        A = A.at[..., k + 1:, k + 1:].add(-below[..., :, None] * A[..., k, None, k + 1:])
+    return A
+
+
+def lu_solve_reference(LU, b, transpose=False):
+    """``A^-1 b`` (``transpose``: ``A'^-1 b``) for the packed factors ``LU`` of :func:`lu_reference`:
+    ``(..., n, n), (..., n) -> (..., n)``. Forward then back substitution: ``L U x = b``, or ``U' L' x = b``."""
+    n = b.shape[-1]
+    unit_lower, upper = jnp.tril(LU, -1) + jnp.eye(n, dtype=LU.dtype), jnp.triu(LU)
+    lower, upper = (jnp.swapaxes(upper, -1, -2), jnp.swapaxes(unit_lower, -1, -2)) if transpose else (unit_lower, upper)
+    y = jnp.zeros_like(b)
+    for j in range(n):
+        y = y.at[..., j].set((b[..., j] - jnp.sum(lower[..., j, :j] * y[..., :j], -1)) / lower[..., j, j])
+    x = jnp.zeros_like(b)
+    for j in reversed(range(n)):
+        x = x.at[..., j].set((y[..., j] - jnp.sum(upper[..., j, j + 1:] * x[..., j + 1:], -1)) / upper[..., j, j])
     return x
