@@ -602,11 +602,12 @@ def _velocity_derivative_rule(m) -> list:
     completes with the Coriolis forces' derivative (:func:`_implicit_rules`). Its kernels leave loops early and
     measure arrays inside ``@wp.func``s after use, which Warp's adjoint gets wrong (refused). The rule, as the
     kernels: each actuator's ``d force / d velocity`` (an affine bias's ``biasprm[2]``, plus an affine gain's
-    ``gainprm[2]`` times its control, or with activation dynamics its activation, the next one where ``actearly``;
-    0 where ``forcerange`` clamps the force) times its moment's outer product; minus, on the diagonal, each dof's
-    damping and its polynomial's derivative (the joint's actuators' ``damping`` times gear squared included); minus
-    each tendon's damping (its actuators' included) times ``J_t' J_t``, on ``M``'s entries. Covered: gains fixed or
-    affine, biases none or affine, activation dynamics integrator, filter or filterexact, no joint or tendon
+    ``gainprm[2]``, or a muscle's active force's velocity derivative, times its control, or with activation dynamics
+    its activation, the next one where ``actearly``; 0 where ``forcerange`` clamps the force) times its moment's
+    outer product; minus, on the diagonal, each dof's damping and its polynomial's derivative (the joint's
+    actuators' ``damping`` times gear squared included); minus each tendon's damping (its actuators' included) times
+    ``J_t' J_t``, on ``M``'s entries. Covered: gains fixed, affine or muscle, biases none, affine or muscle,
+    activation dynamics integrator, filter, filterexact or muscle, no joint or tendon
     actuator-force limits, no fluid forces, no control delays, actuation and damping enabled; for anything else the
     rule refuses, naming it, and so does reverse mode through the stage.
     """
@@ -621,12 +622,14 @@ def _velocity_derivative_rule(m) -> list:
         return np.asarray(a.numpy())
 
     gaintype, biastype, dyntype = host(m.actuator_gaintype), host(m.actuator_biastype), host(m.actuator_dyntype)
-    dynamics = (types.DynType.INTEGRATOR, types.DynType.FILTER, types.DynType.FILTEREXACT)
+    dynamics = (types.DynType.INTEGRATOR, types.DynType.FILTER, types.DynType.FILTEREXACT, types.DynType.MUSCLE)
     off = int(m.opt.disableflags) & (int(types.DisableBit.ACTUATION) | int(types.DisableBit.DAMPER))
     unsupported = [reason for reason, present in (
-        ("a gain other than fixed or affine", ~np.isin(gaintype, (types.GainType.FIXED, types.GainType.AFFINE))),
-        ("a bias other than none or affine", ~np.isin(biastype, (types.BiasType.NONE, types.BiasType.AFFINE))),
-        ("activation dynamics other than integrator, filter or filterexact",
+        ("a gain other than fixed, affine or muscle",
+         ~np.isin(gaintype, (types.GainType.FIXED, types.GainType.AFFINE, types.GainType.MUSCLE))),
+        ("a bias other than none, affine or muscle",
+         ~np.isin(biastype, (types.BiasType.NONE, types.BiasType.AFFINE, types.BiasType.MUSCLE))),
+        ("activation dynamics other than integrator, filter, filterexact or muscle",
          ~np.isin(dyntype, (types.DynType.NONE, *dynamics))),
         ("a joint's actuator-force limit", host(m.jnt_actfrclimited)),
         ("a tendon's actuator-force limit", host(m.tendon_actfrclimited)),
@@ -635,6 +638,7 @@ def _velocity_derivative_rule(m) -> list:
         ("actuation or damping disabled", np.array([off != 0]))) if np.any(present)]
     affine_gain = (gaintype == int(types.GainType.AFFINE)).astype(np.float32)
     affine_bias = (biastype == int(types.BiasType.AFFINE)).astype(np.float32)
+    muscle_gain = gaintype == int(types.GainType.MUSCLE)
     # the activation an affine gain multiplies (the actuator's last), and how it advances (support.next_act)
     actadr = host(m.actuator_actadr) + host(m.actuator_actnum) - 1
     stateful = (dyntype != int(types.DynType.NONE)) & (actadr >= 0)
@@ -668,7 +672,12 @@ def _velocity_derivative_rule(m) -> list:
             drive = jnp.where(stateful, act, drive)
         # each actuator's d force / d velocity, and its moment as a dense row (sparse rows in the data: the entry e
         # belongs to the last actuator whose row starts at or before it)
-        vel = world("actuator_biasprm")[..., 2] * affine_bias + world("actuator_gainprm")[..., 2] * affine_gain * drive
+        gain = world("actuator_gainprm")[..., 2] * affine_gain
+        if muscle_gain.any():  # (util_misc.muscle_gain_vel_deriv)
+            gain = jnp.where(muscle_gain, _muscle_gain_velocity_derivative(
+                before["actuator_length"], before["actuator_velocity"], world("actuator_lengthrange"),
+                world("actuator_acc0"), world("actuator_gainprm")), gain)
+        vel = world("actuator_biasprm")[..., 2] * affine_bias + gain * drive
         if forcelimited.any():
             force, limits = after["actuator_force"], _per_world(after["actuator_forcerange"], nworld)
             clamped = forcelimited & ((force <= limits[..., 0]) | (force >= limits[..., 1]))
@@ -702,8 +711,8 @@ def _velocity_derivative_rule(m) -> list:
         return {"out": after["out"].at[:, entries].set(out)}
 
     floats = ("opt.timestep", "actuator_biasprm", "actuator_gainprm", "actuator_dynprm", "actuator_actrange",
-              "actuator_gear", "actuator_damping", "actuator_dampingpoly", "dof_damping", "dof_dampingpoly",
-              "tendon_damping", "tendon_dampingpoly")
+              "actuator_gear", "actuator_damping", "actuator_dampingpoly", "actuator_lengthrange", "actuator_acc0",
+              "dof_damping", "dof_dampingpoly", "tendon_damping", "tendon_dampingpoly")
 
     def model_arrays(m):
         return {n: m.opt.timestep if n == "opt.timestep" else getattr(m, n) for n in floats}
@@ -712,16 +721,39 @@ def _velocity_derivative_rule(m) -> list:
         derivative, "deriv_smooth_vel", rule,
         reads=lambda m, d, out: {"M": d.M, "qvel": d.qvel, "ctrl": d.ctrl, "act": d.act, "act_dot": d.act_dot,
                                  "actuator_moment": d.actuator_moment, "ten_J": d.ten_J,
-                                 "ten_velocity": d.ten_velocity, **model_arrays(m)},
+                                 "ten_velocity": d.ten_velocity, "actuator_length": d.actuator_length,
+                                 "actuator_velocity": d.actuator_velocity, **model_arrays(m)},
         writes=lambda m, d, out: {"out": out},
         context=lambda m, d, out: {"actuator_force": d.actuator_force,
                                    "actuator_forcerange": m.actuator_forcerange, "moment_rowadr": d.moment_rowadr,
                                    "moment_rownnz": d.moment_rownnz, "moment_colind": d.moment_colind},
-        # (what the covered actuators' derivative does not depend on: lengths, velocities, the forces but for the
-        # clamp test, a choice with no derivative; out is zeroed first)
-        ignores=lambda m, d, out: {"actuator_length": d.actuator_length, "actuator_velocity": d.actuator_velocity,
-                                   "qfrc_actuator": d.qfrc_actuator, "actuator_force": d.actuator_force},
+        # (what the covered actuators' derivative does not depend on: the forces but for the clamp test, a choice
+        # with no derivative; out is zeroed first)
+        ignores=lambda m, d, out: {"qfrc_actuator": d.qfrc_actuator, "actuator_force": d.actuator_force},
     )]
+
+
+def _muscle_gain_velocity_derivative(length, velocity, lengthrange, acc0, prm):
+    """``util_misc.muscle_gain_vel_deriv``: a muscle's active force's derivative in its velocity, per actuator
+    (``prm``: range, force, scale, lmin, lmax, vmax, fpmax, fvmax), with ``muscle_gain_length``'s curve."""
+    from mujoco_warp._src.types import MJ_MINVAL
+
+    low, high, force, scale, lmin, lmax, vmax, fvmax = (prm[..., i] for i in (0, 1, 2, 3, 4, 5, 6, 8))
+    force = jnp.where(force < 0.0, scale / jnp.maximum(MJ_MINVAL, acc0), force)
+    L0 = (lengthrange[..., 1] - lengthrange[..., 0]) / jnp.maximum(MJ_MINVAL, high - low)
+    L = low + (length - lengthrange[..., 0]) / jnp.maximum(MJ_MINVAL, L0)
+    V = velocity / jnp.maximum(MJ_MINVAL, L0 * vmax)
+    a, b = 0.5 * (lmin + 1.0), 0.5 * (1.0 + lmax)  # (the length curve: quadratic pieces, maximum 1 at L = 1)
+    rising = 0.5 * jnp.square((L - lmin) / jnp.maximum(MJ_MINVAL, a - lmin))
+    below_one = 1.0 - 0.5 * jnp.square((1.0 - L) / jnp.maximum(MJ_MINVAL, 1.0 - a))
+    above_one = 1.0 - 0.5 * jnp.square((L - 1.0) / jnp.maximum(MJ_MINVAL, b - 1.0))
+    falling = 0.5 * jnp.square((lmax - L) / jnp.maximum(MJ_MINVAL, lmax - b))
+    FL = jnp.where((lmin > L) | (L > lmax), 0.0, jnp.where(
+        L <= a, rising, jnp.where(L <= 1.0, below_one, jnp.where(L <= b, above_one, falling))))
+    y = fvmax - 1.0
+    dFV = jnp.where(V <= -1.0, 0.0, jnp.where(V <= 0.0, 2.0 * V + 2.0, jnp.where(
+        V <= y, (-2.0 * V + 2.0 * y) / jnp.maximum(MJ_MINVAL, y), 0.0)))
+    return -force * FL * dFV / jnp.maximum(MJ_MINVAL, L0 * vmax)
 
 
 def _implicit_rules(m) -> list:

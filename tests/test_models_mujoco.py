@@ -852,7 +852,7 @@ def tendon():
     return step, mjm, mjd
 
 
-# What else implicitfast's rule covers, each on a scene below turned implicitfast: (MJCF changes, qpos, qvel, ctrl,
+# What else implicitfast's rule covers, each on a scene turned implicitfast: (MJCF changes, qpos, qvel, ctrl,
 # act, parameters differentiated)
 IMPLICITFAST_WIDER = {
     # activation dynamics under an affine gain (filterexact, actearly: the next activation, clamped to actrange),
@@ -874,14 +874,21 @@ IMPLICITFAST_WIDER = {
         [0.3, -0.5], [0.5, -1.0], [0.4, 0.1], [],
         ("tendon_damping", "tendon_dampingpoly", "actuator_damping", "actuator_dampingpoly", "dof_damping",
          "actuator_biasprm", "actuator_gear", "tendon_armature")),
+    # a muscle on the shoulder (its active force's velocity derivative times its activation), a motor
+    "a muscle": (
+        with_integrator(ARM, "implicitfast").replace(
+            '<motor joint="shoulder" gear="1"/>', '<muscle joint="shoulder" lengthrange="-1 1"/>'),
+        [0.3, -0.5], [0.5, -1.0], [0.6, -0.2], [0.4],
+        ("actuator_gainprm", "actuator_biasprm", "actuator_dynprm", "dof_damping")),
 }
 
 
-@pytest.mark.slow  # (two traced models, ~45 s of a 2-core CPU; the servo arm's test runs in CI)
+@pytest.mark.slow  # (~20 s each of a 2-core CPU; the servo arm's test runs in CI)
 @pytest.mark.parametrize("case", IMPLICITFAST_WIDER)
 def test_implicitfast_differentiates_activation_dynamics_actuator_and_tendon_damping(case):
-    """implicitfast's rule beyond servos: an affine gain times the (next, clamped) activation, actuators' damping on
-    their joint or tendon (times gear squared), a tendon's damping ``J_t' J_t``. 10 steps equal mujoco_warp's and
+    """implicitfast's rule beyond servos: an affine gain or a muscle's active force times the (next, clamped)
+    activation, actuators' damping on their joint or tendon (times gear squared), a tendon's damping ``J_t' J_t``.
+    10 steps equal mujoco_warp's and
     gradients through 1 and 10 steps match central differences of mj_step's implicitfast (1e-3 relative; measured
     within it, 2026-12-07, CPU). Leaving out the next activation or the tendon term fails this test (tried)."""
     xml, qpos, qvel, ctrl, act, fields = IMPLICITFAST_WIDER[case]
