@@ -29,16 +29,16 @@ step of mujoco_warp's humanoid (<= 4e-5), and through the cart-pole's active lim
 adjoint gets right are differentiated by rules (:func:`_stage_rules`, ``warpnn.StageRule``): the inertia solve, the
 constraint solver (its optimality conditions at the solution), the primitive narrowphase and the contact Jacobian
 (recomputed in JAX), tree walks over branches that share bodies, springs and dampers (right where mujoco_warp skips
-a zero coefficient), the position sensors but geom distances (:func:`_sensor_pos_rule`), the kinetic energy, the position update (its quaternion
-integration, right at zero angular velocity), the velocity derivative ``implicitfast`` solves with
-(:func:`_velocity_derivative_rule`), and the ``implicit`` integrator's Coriolis derivative and LU solve
-(:func:`_implicit_rules`); the other
-kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
+a zero coefficient), the position sensors but geom distances (:func:`_sensor_pos_rule`), the kinetic energy, the
+position update (its quaternion integration, right at zero angular velocity), the velocity derivative
+``implicitfast`` solves with (:func:`_velocity_derivative_rule`), the ``implicit`` integrator's Coriolis derivative
+and LU solve (:func:`_implicit_rules`), spatial tendons through sites (:func:`_tendon_site_rules`); the other kernels
+through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
 cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, a capsule's with capsules and
 boxes, two boxes (with ``nativeccd`` disabled: else mujoco_warp collides them by GJK/EPA), a mesh on a plane (other
-mesh and convex pairs are refused), a sparse constraint Jacobian, spatial tendons.
+mesh and convex pairs are refused), a sparse constraint Jacobian, spatial tendons that wrap geoms or have armature.
 Elliptic friction cones differentiate (the contact rows by a rule, the solver's rule with the cone's force), and so
 do the Euler, RK4 and ``implicitfast`` integrators and the Newton and CG solvers. See ``docs/mujoco.md``.
 
@@ -247,7 +247,7 @@ def _stage_rules(m) -> list:
                                  if elliptic else {"contact.friction": d.contact.friction})},
     )
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-             _tendon_armature_rule(m), _tendon_dot_rule(m), *_tendon_bias_rules(m), *_sensor_pos_rule(m),
+             _tendon_armature_rule(m), *_tendon_dot_rule(m), *_tendon_site_rules(m), *_tendon_path_rule(m), *_tendon_bias_rules(m), *_sensor_pos_rule(m),
              _kinetic_energy_rule(), *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
              *([_elliptic_rows_rule(m)] if elliptic else []), *_velocity_derivative_rule(m), *_implicit_rules(m)]
     return _for_this_mujoco_warp(rules)
@@ -956,31 +956,147 @@ def _tendon_armature_rule(m):
     )
 
 
-def _tendon_dot_rule(m):
+def _tendon_dot_rule(m) -> list:
     """``smooth._tendon_dot`` (the time derivative of a spatial tendon's Jacobian, for its armature's bias force) by
     a rule where every tendon is fixed: its threads leave before writing where a tendon has no armature or is fixed
     (a fixed tendon's Jacobian is constant), so the launch writes nothing; but where a tendon's armature is a
     parameter the launch-time proof of that (``warpnn._idle``) stops at the armature's test, and the kernel's while
-    loop is refused. Rule: ``ten_Jdot`` as it was. A spatial tendon makes the rule refuse."""
+    loop is refused. Rule: ``ten_Jdot`` as it was. With a spatial tendon no rule: the launch-time proof covers
+    armatures that are constants and 0, and the kernel's refusal stands for the rest."""
     import numpy as np
     from mujoco_warp._src import smooth, types
 
-    spatial = [t for t, kind in enumerate(np.asarray(m.tendon_type.numpy())) if kind != int(types.TendonType.FIXED)]
-
-    def rule(before, after):
-        if spatial:
-            raise NotImplementedError(f"the rule covers fixed tendons; tendons {spatial} are spatial")
-        return {"ten_Jdot_out": before["ten_Jdot_out"]}
-
-    return warpnn.StageRule(
-        smooth, "_tendon_dot", rule, per_launch=True,
+    if any(kind != int(types.TendonType.FIXED) for kind in np.asarray(m.tendon_type.numpy())):
+        return []
+    return [warpnn.StageRule(
+        smooth, "_tendon_dot", lambda before, after: {"ten_Jdot_out": before["ten_Jdot_out"]}, per_launch=True,
         reads=lambda ten_Jdot_out, **_: {"ten_Jdot_out": ten_Jdot_out},
         writes=lambda ten_Jdot_out, **_: {"ten_Jdot_out": ten_Jdot_out},
         # (what a spatial tendon's Jacobian derivative would read; a fixed tendon's reads none of it)
         ignores=lambda **a: {n: a[n] for n in ("tendon_armature", "wrap_prm", "actuator_armature", "actuator_gear",
                                                 "site_xpos_in", "subtree_com_in", "cdof_in", "cvel_in",
                                                 "cdof_dot_in")},
-    )
+    )]
+
+
+def _tendon_site_rules(m) -> list:
+    """A spatial tendon's length and Jacobian between sites, and every tendon's velocity, by rules.
+
+    * ``smooth._spatial_site_tendon`` adds, per pair of consecutive sites, the distance (times a pulley's scale) to
+      the length and ``d distance / d qvel`` to the Jacobian, walking each site's chain of bodies, and skips a
+      Jacobian term that is exactly 0 (``if J != 0.0``: a site whose motion is perpendicular to the segment), whose
+      derivative is not 0: the equality guard made the gradient NaN (measured: a tendon between sites on an arm's
+      two links). Rule: the same sums over the model's fixed list of (pair, dof) terms.
+    * ``forward._tendon_velocity`` sums ``J qvel`` over a row and skips exactly-zero entries the same way. Rule:
+      the sum.
+    """
+    import numpy as np
+    from mujoco_warp._src import forward, smooth
+
+    if not m.ntendon:
+        return []
+    entry, ten_row, ten_dof = _tendon_entries(m)
+    rules = [warpnn.StageRule(
+        forward, "_tendon_velocity", lambda before, after: {"ten_velocity_out": jnp.zeros_like(
+            after["ten_velocity_out"]).at[:, ten_row].add(before["ten_J_in"][:, entry] * before["qvel_in"][:, ten_dof])},
+        per_launch=True,
+        reads=lambda qvel_in, ten_J_in, **_: {"qvel_in": qvel_in, "ten_J_in": ten_J_in},
+        writes=lambda ten_velocity_out, **_: {"ten_velocity_out": ten_velocity_out})]
+    pair_adr, pair_tendon = (np.asarray(a.numpy()) for a in (m.wrap_site_pair_adr, m.tendon_site_pair_adr))
+    if not pair_adr.size:
+        return rules
+    objid, pulley = np.asarray(m.wrap_objid.numpy()), np.asarray(m.wrap_pulley_scale.numpy())
+    site_body, root, parent, dofadr, dofnum = (np.asarray(a.numpy()) for a in (
+        m.site_bodyid, m.body_rootid, m.body_parentid, m.body_dofadr, m.body_dofnum))
+    place = {(int(t), int(d)): int(e) for e, t, d in zip(entry, ten_row, ten_dof)}  # (tendon, dof) -> ten_J entry
+    site0, site1 = objid[pair_adr], objid[pair_adr + 1]
+    scale = pulley[pair_adr].astype(np.float32)
+    terms = []  # (pair, end: 0 or 1, dof, ten_J entry, sign) of each Jacobian term _accumulate_jac_chain adds
+    for pair, (t, a, b) in enumerate(zip(pair_tendon, site0, site1)):
+        if site_body[a] == site_body[b]:
+            continue
+        for end, (site, sign) in enumerate(((a, -1.0), (b, 1.0))):
+            body = site_body[site]
+            while body > 0:
+                for dof in range(dofadr[body], dofadr[body] + dofnum[body]):
+                    terms.append((pair, end, dof, place[(int(t), dof)], sign))
+                body = parent[body]
+    pair_of, end_of, dof_of, entry_of, sign_of = (np.array(c) for c in zip(*terms)) if terms else (np.zeros(0, int),) * 5
+
+    def site_tendon(before, after):
+        from mujoco_warp._src.types import MJ_MINVAL
+
+        xpos, com, cdof = before["site_xpos_in"], before["subtree_com_in"], before["cdof_in"]
+        p0, p1 = xpos[:, site0], xpos[:, site1]  # (world, pair, 3)
+        length = jnp.linalg.norm(p1 - p0, axis=-1)
+        short = length < MJ_MINVAL  # (normalize_with_norm, then a fixed direction below MJ_MINVAL)
+        vec = jnp.where(short[..., None], jnp.asarray([1.0, 0.0, 0.0], xpos.dtype),
+                        (p1 - p0) / jnp.where(short, 1.0, length)[..., None])
+        out_length = before["ten_length_out"].at[:, pair_tendon].add(length * scale)
+        ends = jnp.stack([p0 - com[:, root[site_body[site0]]], p1 - com[:, root[site_body[site1]]]], 2)
+        offset = ends[:, pair_of, end_of]  # (world, term, 3)
+        motion = cdof[:, dof_of]
+        jacp = motion[..., 3:] + jnp.cross(motion[..., :3], offset)
+        J = jnp.sum(jacp * vec[:, pair_of], -1) * (sign_of * scale[pair_of]).astype(xpos.dtype)
+        return {"ten_length_out": out_length, "ten_J_out": before["ten_J_out"].at[:, entry_of].add(J)}
+
+    return rules + [warpnn.StageRule(
+        smooth, "_spatial_site_tendon", site_tendon, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in ("site_xpos_in", "subtree_com_in", "cdof_in", "ten_J_out",
+                                              "ten_length_out")},
+        writes=lambda ten_J_out, ten_length_out, **_: {"ten_J_out": ten_J_out, "ten_length_out": ten_length_out})]
+
+
+def _tendon_path_rule(m) -> list:
+    """``smooth._spatial_tendon_wrap`` (the points of each spatial tendon's path, ``wrap_xpos``: for drawing it, and
+    for the forces on bodies ``rne_postconstraint`` computes) by a rule where no tendon wraps a geom: one thread per
+    world walks every tendon in a while loop (refused), and each point of a path between sites and pulleys is a
+    site's position, or zeros at a pulley, in slots the model fixes; the rule gathers them. A tendon wrapping a
+    sphere or cylinder adds points only where it wraps (a choice the positions make): the rule refuses it."""
+    import numpy as np
+    from mujoco_warp._src import smooth, types
+
+    tendon_type, adr, num = (np.asarray(a.numpy()) for a in (m.tendon_type, m.tendon_adr, m.tendon_num))
+    wrap_type, objid = np.asarray(m.wrap_type.numpy()), np.asarray(m.wrap_objid.numpy())
+    PULLEY, SITE = int(types.WrapType.PULLEY), int(types.WrapType.SITE)
+    slots, pulleys, wrapping = [], [], []  # (slot, site), pulley slots, tendons that wrap a geom
+    count = 0
+    for t in np.flatnonzero(tendon_type != int(types.TendonType.FIXED)):
+        kinds = wrap_type[adr[t]:adr[t] + num[t]]
+        if not np.isin(kinds, (PULLEY, SITE)).all():
+            wrapping.append(int(t))
+            continue
+        for j in range(num[t] - 1):  # (the kernel's walk for sites and pulleys: a point per site, before a
+            k0, k1 = kinds[j], kinds[j + 1]  # pulley or at the end also the segment's second site)
+            if k0 == PULLEY or k1 == PULLEY:
+                if k0 == PULLEY:
+                    pulleys.append(count)
+                    count += 1
+                continue
+            slots.append((count, int(objid[adr[t] + j])))
+            count += 1
+            if j + 1 == num[t] - 1 or kinds[j + 2] == PULLEY:
+                slots.append((count, int(objid[adr[t] + j + 1])))
+                count += 1
+    if not slots and not pulleys and not wrapping:
+        return []
+    slot, site = (np.array(column, np.int32) for column in zip(*slots)) if slots else (np.zeros(0, np.int32),) * 2
+
+    def rule(before, after):
+        if wrapping:
+            raise NotImplementedError(f"the tendon path rule covers paths through sites and pulleys; tendons "
+                                      f"{wrapping} wrap a geom")
+        points = before["wrap_xpos_out"].reshape(before["wrap_xpos_out"].shape[0], -1, 3)  # (world, 2 nwrap, 3)
+        points = points.at[:, slot].set(before["site_xpos_in"][:, site])
+        points = points.at[:, np.array(pulleys, np.int32)].set(0.0)
+        return {"wrap_xpos_out": points.reshape(before["wrap_xpos_out"].shape)}
+
+    return [warpnn.StageRule(
+        smooth, "_spatial_tendon_wrap", rule, per_launch=True,
+        reads=lambda site_xpos_in, wrap_xpos_out, **_: {"site_xpos_in": site_xpos_in, "wrap_xpos_out": wrap_xpos_out},
+        writes=lambda wrap_xpos_out, **_: {"wrap_xpos_out": wrap_xpos_out},
+        ignores=lambda wrap_geom_xpos_in, **_: {"wrap_geom_xpos_in": wrap_geom_xpos_in},  # (read for geom wraps only)
+    )]
 
 
 def _tendon_bias_rules(m) -> list:

@@ -939,30 +939,61 @@ def test_tendon_armature_and_friction_loss_differentiate(steps):
     assert_gradients_match_mj_step(step, mjm, mjd, steps, np.array([1.0, -0.5, 0.3, 0.7]), fields)
 
 
-@pytest.mark.slow  # (a second trace of the tendon model: 25 s of CI's CPU)
-def test_a_spatial_tendons_armature_is_refused_naming_the_tendon():
-    """The tendon kernels' rules cover fixed tendons (``_tendon_dot``: a fixed tendon's Jacobian is constant). A
-    spatial tendon (between two sites) with armature makes the rule refuse, and reverse mode with it, naming the
-    stage and the tendon; with ``actuator_gear`` trained the armature's test reads a parameter, so nothing proves
-    the launch idle and only the rule could differentiate it."""
-    spatial = TENDON.replace('<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>\n      <body',
-                             '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>'
-                             '<site name="s0" pos="0.05 0 -0.2"/>\n      <body', 1).replace(
-        '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>\n      </body>',
-        '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/><site name="s1" pos="0.05 0 -0.3"/>'
-        '\n      </body>', 1)
-    spatial = spatial.replace('<fixed name="t" stiffness="2" damping="0.3" springlength="0.1">', '<spatial name="s" '
-                              'armature="0.05"><site site="s0"/><site site="s1"/></spatial>\n    '
-                              '<fixed name="t" stiffness="2" damping="0.3" springlength="0.1">')
-    mjm, mjd = start(spatial, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
-    assert mjm.ntendon == 2 and mjm.tendon_armature[0] == 0.05  # (the spatial tendon first, then the fixed one)
-    with on_one_device():
-        step = MujocoStep(mjm, mjd, param_fields=("actuator_gear",))
-    why = step.reverse_refusals()["mujoco_warp._src.smooth._tendon_dot"]
-    assert "NotImplementedError" in why and "tendons [0] are spatial" in why
+# The tendon model with a spatial tendon beside the fixed one: from a site on the world body over sites on both links,
+# then a pulley halving a second branch (two sites), with a spring, a damper and a motor, and its length and velocity
+# as sensors
+SPATIAL_TENDON = TENDON.replace('<worldbody>', '<worldbody><site name="w0" pos="0.3 0 0.1"/>').replace(
+    '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>\n      <body',
+    '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/><site name="s0" pos="0.05 0 -0.2"/>\n      <body',
+    1).replace(
+    '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>\n      </body>',
+    '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/><site name="s1" pos="0.05 0 -0.3"/>'
+    '<site name="s2" pos="-0.05 0 -0.45"/>\n      </body>', 1).replace(
+    '<fixed name="t" stiffness="2" damping="0.3" springlength="0.1">',
+    '<spatial name="s" stiffness="3" damping="0.2" springlength="0.5"><site site="w0"/><site site="s0"/>'
+    '<site site="s1"/><pulley divisor="2"/><site site="s0"/><site site="s2"/></spatial>\n    '
+    '<fixed name="t" stiffness="2" damping="0.3" springlength="0.1">').replace(
+    '<actuator><motor tendon="t" gear="1.5"/></actuator>', '<actuator><motor tendon="t" gear="1.5"/><motor '
+    'tendon="s" gear="2"/></actuator><sensor><tendonpos tendon="s"/><tendonvel tendon="s"/></sensor>')
+
+
+@pytest.mark.slow  # (three traced models, ~60 s of a 2-core CPU)
+def test_a_spatial_tendon_through_sites_and_a_pulley_differentiates():
+    """A spatial tendon's length and Jacobian (``smooth._spatial_site_tendon``) and every tendon's velocity
+    (``forward._tendon_velocity``) skip a Jacobian term that is exactly 0, whose derivative is not: NaN gradients
+    under the equality guard (measured); the path's points (``_spatial_tendon_wrap``, a while loop) are gathered
+    sites. Rules compute them (warpnn_models.mujoco._tendon_site_rules, _tendon_path_rule). 10 steps equal
+    mujoco_warp's; gradients of the state and of the tendon's sensors through 1 and 10 steps w.r.t. the controls,
+    the initial velocity, the tendons' stiffness, damping and spring lengths, joint damping and the motors' gains
+    match central differences of mj_step (1e-3 relative). Its armature (with ``actuator_gear`` trained, so nothing
+    proves ``_tendon_dot``'s launch idle) and a tendon wrapping a geom are refused naming the kernel or the
+    tendon."""
+    mjm, mjd = start(SPATIAL_TENDON, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    mjd.ctrl[:] = [0.4, -0.3]
+    fields = ("tendon_stiffness", "tendon_damping", "tendon_lengthspring", "dof_damping", "actuator_gainprm")
+    step = MujocoStep(mjm, mjd, param_fields=fields)
+    assert step.reverse_refusals() == {}
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
+    for steps in (1, 10):
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), fields)
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.array([1.0, -0.5]), fields, sensors=True)
+
+    armature = SPATIAL_TENDON.replace('<spatial name="s" ', '<spatial name="s" armature="0.05" ')
+    mjm, mjd = start(armature, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    assert mjm.tendon_armature[0] == 0.05  # (the spatial tendon first, then the fixed one)
+    step = MujocoStep(mjm, mjd, param_fields=("actuator_gear",))
+    assert "while loop" in step.reverse_refusals()["_tendon_dot"]
     s0 = step.initial_state()
-    with pytest.raises(TypeError, match="_tendon_dot.*spatial"):
+    with pytest.raises(TypeError, match="_tendon_dot.*while loop"):
         jax.grad(lambda p: step(s0, p)["qvel"].sum())(step.initial_params())
+
+    wrapping = SPATIAL_TENDON.replace('<site name="w0" pos="0.3 0 0.1"/>', '<site name="w0" pos="0.3 0 0.1"/><geom '
+                                      'name="post" type="cylinder" size="0.03 0.1" pos="0.15 0 -0.1" zaxis="0 1 0" '
+                                      'contype="0" conaffinity="0"/>').replace(
+        '<site site="w0"/><site site="s0"/>', '<site site="w0"/><geom geom="post"/><site site="s0"/>')
+    mjm, mjd = start(wrapping, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    refusals = MujocoStep(mjm, mjd).reverse_refusals()
+    assert "tendons [0] wrap a geom" in refusals["mujoco_warp._src.smooth._spatial_tendon_wrap"]
 
 
 LINKAGE = """
