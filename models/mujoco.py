@@ -247,7 +247,8 @@ def _stage_rules(m) -> list:
                                  if elliptic else {"contact.friction": d.contact.friction})},
     )
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-             _tendon_armature_rule(m), *_tendon_dot_rule(m), *_tendon_site_rules(m), *_tendon_path_rule(m), *_tendon_bias_rules(m), *_sensor_pos_rule(m),
+             _tendon_armature_rule(m), *_tendon_dot_rule(m), *_tendon_site_rules(m), *_tendon_path_rule(m),
+             *_tendon_bias_rules(m), *_sensor_pos_rule(m),
              _kinetic_energy_rule(), *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
              *([_elliptic_rows_rule(m)] if elliptic else []), *_velocity_derivative_rule(m), *_implicit_rules(m)]
     return _for_this_mujoco_warp(rules)
@@ -333,9 +334,9 @@ def _spd_solve(A, b):
     By Cholesky, whose factor the solve's derivative reuses (``lax.custom_linear_solve``, as
     ``jax.scipy.linalg.solve(assume_a="pos")`` does), the factor held constant (``custom_linear_solve``
     differentiates the solve by solving again). On a CPU the factorization and the substitutions are Warp kernels,
-    one thread per world (``warpnn_models._linear_algebra``, built without adjoints); elsewhere their pure-JAX references,
-    column by column over every world at once (``jax.lax.platform_dependent`` picks by the platform compiled for).
-    Measured (fwd+bwd of the humanoid's 20-step rollout, 2026-12-07): CPU, 64 worlds, kernels 3,820 steps/s against
+    one thread per world (``warpnn_models._linear_algebra``, built without adjoints); elsewhere their pure-JAX
+    references, column by column over every world at once (``jax.lax.platform_dependent`` picks by the platform
+    compiled for). Measured (fwd+bwd of the humanoid's 20-step rollout, 2026-12-07): CPU, 64 worlds, kernels 3,820 steps/s against
     JAX's 3,117 (each of the JAX loops' ``n`` steps an XLA operation of its own); H100, 1,024 worlds, JAX 303k
     against the kernels' 236k (one GPU thread per world runs its 27 x 27 factorization alone, serially).
     Not LAPACK or cuSOLVER: jaxlib 0.10's batched LAPACK kernels split their batch over XLA's CPU thread pool and
@@ -996,10 +997,13 @@ def _tendon_site_rules(m) -> list:
     if not m.ntendon:
         return []
     entry, ten_row, ten_dof = _tendon_entries(m)
+
+    def velocity(before, after):
+        terms = before["ten_J_in"][:, entry] * before["qvel_in"][:, ten_dof]
+        return {"ten_velocity_out": jnp.zeros_like(after["ten_velocity_out"]).at[:, ten_row].add(terms)}
+
     rules = [warpnn.StageRule(
-        forward, "_tendon_velocity", lambda before, after: {"ten_velocity_out": jnp.zeros_like(
-            after["ten_velocity_out"]).at[:, ten_row].add(before["ten_J_in"][:, entry] * before["qvel_in"][:, ten_dof])},
-        per_launch=True,
+        forward, "_tendon_velocity", velocity, per_launch=True,
         reads=lambda qvel_in, ten_J_in, **_: {"qvel_in": qvel_in, "ten_J_in": ten_J_in},
         writes=lambda ten_velocity_out, **_: {"ten_velocity_out": ten_velocity_out})]
     pair_adr, pair_tendon = (np.asarray(a.numpy()) for a in (m.wrap_site_pair_adr, m.tendon_site_pair_adr))
@@ -1021,7 +1025,8 @@ def _tendon_site_rules(m) -> list:
                 for dof in range(dofadr[body], dofadr[body] + dofnum[body]):
                     terms.append((pair, end, dof, place[(int(t), dof)], sign))
                 body = parent[body]
-    pair_of, end_of, dof_of, entry_of, sign_of = (np.array(c) for c in zip(*terms)) if terms else (np.zeros(0, int),) * 5
+    pair_of, end_of, dof_of, entry_of, sign_of = (
+        np.array(c) for c in zip(*terms)) if terms else (np.zeros(0, int),) * 5
 
     def site_tendon(before, after):
         from mujoco_warp._src.types import MJ_MINVAL

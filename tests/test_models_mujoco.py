@@ -373,6 +373,17 @@ def assert_gradients_match_mj_step(step, mjm, mjd, steps, weights, fields, rtol=
     return int(np.asarray(rows).max())
 
 
+def assert_sensordata_equals_mujoco_warps(step, mjm, mjd, steps, rtol=0.0):
+    """``sensordata`` after ``steps`` replayed steps from the step's initial state equals mujoco_warp's, run directly
+    from ``mjd`` (to ``rtol`` and 1e-6); returns mujoco_warp's."""
+    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd, nworld=1)
+    for _ in range(steps):
+        mjw.step(m, d)
+    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=steps))(step.initial_state())
+    np.testing.assert_allclose(np.asarray(final["sensordata"]), d.sensordata.numpy(), rtol=rtol, atol=1e-6)
+    return d.sensordata.numpy()
+
+
 def assert_ten_steps_equal_mujoco_warps(step, mjm, mjd, atol=1e-6):
     """10 replayed steps from the step's initial state end where mujoco_warp, run directly from ``mjd``, does."""
     final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(step.initial_state())
@@ -516,8 +527,8 @@ def servo_arm(ctrl):
 def test_implicitfast_steps_equal_mujoco_warps_and_differentiate():
     """implicitfast solves with ``M - dt qDeriv``, the forces' velocity derivative, which mujoco_warp computes in
     kernels Warp's adjoint gets wrong (``derivative._qderiv_*``: refused before); its rule
-    (warpnn_models.mujoco._velocity_derivative_rule) computes it from the servos' ``kv`` and the joints' damping. 10 steps
-    of the servo arm equal mujoco_warp's, and the gradient through them w.r.t. the controls, the initial velocity,
+    (warpnn_models.mujoco._velocity_derivative_rule) computes it from the servos' ``kv`` and the joints' damping. 10
+    steps of the servo arm equal mujoco_warp's, and the gradient through them w.r.t. the controls, the initial velocity,
     damping, gains and biases matches central differences of mj_step's implicitfast (1e-3 relative; measured
     2026-12-07, CPU: within it, also with ``dof_dampingpoly`` set)."""
     mjm, mjd = servo_arm([0.25, -0.1])
@@ -944,8 +955,8 @@ def test_tendon_armature_and_friction_loss_differentiate(steps):
 # as sensors
 SPATIAL_TENDON = TENDON.replace('<worldbody>', '<worldbody><site name="w0" pos="0.3 0 0.1"/>').replace(
     '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>\n      <body',
-    '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/><site name="s0" pos="0.05 0 -0.2"/>\n      <body',
-    1).replace(
+    '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/><site name="s0" pos="0.05 0 -0.2"/>'
+    '\n      <body', 1).replace(
     '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>\n      </body>',
     '<geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/><site name="s1" pos="0.05 0 -0.3"/>'
     '<site name="s2" pos="-0.05 0 -0.45"/>\n      </body>', 1).replace(
@@ -1301,11 +1312,7 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
     assert mjd.sensordata[0] == -0.4  # (the elbow's sensor clamped by its cutoff)
     step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "body_mass"))
     assert step.reverse_refusals() == {}
-    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd, nworld=1)
-    for _ in range(3):
-        mjw.step(m, d)
-    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=3))(step.initial_state())
-    np.testing.assert_allclose(np.asarray(final["sensordata"]), d.sensordata.numpy(), rtol=0, atol=1e-6)
+    assert_sensordata_equals_mujoco_warps(step, mjm, mjd, 3)
     for steps in (1, 10):
         assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nsensordata),
                                        ("dof_damping", "body_mass"), sensors=True)
@@ -1341,10 +1348,11 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
 
 
 # SENSORS with a magnetic field, two cameras (one by its field of view, one by its sensor size and focal length), a
-# box site the tip and a sphere site the forearm's centre of mass start in and leave by step 9, and energy on: a magnetometer,
-# camera projections of the tip, inside-site tests, the potential and kinetic energies.
+# box site the tip and a sphere site the forearm's centre of mass start in and leave by step 9, and energy on: a
+# magnetometer, camera projections of the tip, inside-site tests, the potential and kinetic energies.
 MORE_SENSORS = SENSORS.replace(
-    '<option timestep="0.01" iterations="4">', '<option timestep="0.01" iterations="4" magnetic="0.1 -0.3 0.5">').replace(
+    '<option timestep="0.01" iterations="4">',
+    '<option timestep="0.01" iterations="4" magnetic="0.1 -0.3 0.5">').replace(
     '<flag contact="disable"/>', '<flag contact="disable" energy="enable"/>').replace(
     "<worldbody>", '<worldbody><camera name="c" pos="0.4 -2 0.1" xyaxes="1 0 0 0 0 1" resolution="640 480"/>'
     '<camera name="c2" pos="0.2 -2 0.1" xyaxes="1 0 0 0 0 1" resolution="320 240" sensorsize="0.01 0.008" '
@@ -1371,12 +1379,8 @@ def test_magnetometers_cameras_inside_sites_and_energies_differentiate():
     assert list(mjd.sensordata[inside]) == [1.0, 1.0]
     step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "body_mass"))
     assert step.reverse_refusals() == {}
-    m, d = mjw.put_model(mjm), mjw.put_data(mjm, mjd, nworld=1)
-    for _ in range(10):
-        mjw.step(m, d)
-    final, _ = jax.jit(lambda s: rollout(step, s, num_steps=10))(step.initial_state())
-    np.testing.assert_allclose(np.asarray(final["sensordata"]), d.sensordata.numpy(), rtol=2e-6, atol=1e-6)
-    assert list(d.sensordata.numpy()[0, inside]) == [0.0, 0.0]  # (both left their sites)
+    sensordata = assert_sensordata_equals_mujoco_warps(step, mjm, mjd, 10, rtol=2e-6)
+    assert list(sensordata[0, inside]) == [0.0, 0.0]  # (both left their sites)
     weights = np.linspace(-1.0, 1.0, mjm.nsensordata)
     assert_gradients_match_mj_step(step, mjm, mjd, 1, weights, ("dof_damping", "body_mass"), sensors=True)
     weights[mjm.sensor_adr[types.index(mujoco.mjtSensor.mjSENS_E_KINETIC)]] = 0.0
