@@ -267,6 +267,50 @@ def test_arm_vmap_of_the_gradient_equals_single_gradients(arm):
     assert np.abs(np.asarray(batched[0] - batched[2])).max() > 1e-3
 
 
+def _implicit_tree():
+    mjm = mujoco.MjModel.from_xml_string(with_integrator(TREE, "implicit"))
+    mjm, mjd = start(mjm, qpos=tree_pose(mjm, [0.9, 0.2, -0.3, 0.1]), qvel=np.linspace(-1.5, 2.0, mjm.nv))
+    mjm.body_sameframe[:] = 0  # (see the tree fixture)
+    return mjm, mjd
+
+
+# Scenes whose rules index Model and Data arrays by world (the implicit integrator's Coriolis derivative and LU
+# solve, a spatial tendon's length and Jacobian, cameras, magnetometers, energies): (scene, ctrl)
+WORLD_AXIS_SCENES = {
+    "implicit tree": (_implicit_tree, [0.2, -0.1, 0.3]),
+    "spatial tendon": (lambda: start(SPATIAL_TENDON, qpos=[0.3, -0.5], qvel=[0.5, -1.0]), [0.4, -0.3]),
+    "more sensors": (lambda: start(MORE_SENSORS, qpos=[0.3, -0.5], qvel=[0.5, -1.0]), [0.3, -0.2]),
+}
+
+
+@pytest.mark.slow  # (two traces each, ~30 s each of a 2-core CPU; the arm's worlds run in CI)
+@pytest.mark.parametrize("case", WORLD_AXIS_SCENES)
+def test_the_rules_step_and_differentiate_worlds_together(case):
+    """Two worlds in one step (``nworld=2``: the rules over the world axis) equal each world stepped alone, forward
+    (qpos, qvel, sensordata where the scene has sensors, after 5 steps) and the gradient of a loss on them w.r.t. each world's initial
+    velocity."""
+    scene, ctrl = WORLD_AXIS_SCENES[case]
+    mjm, mjd = scene()
+    mjd.ctrl[:] = ctrl
+    mujoco.mj_forward(mjm, mjd)
+    together, alone = MujocoStep(mjm, mjd, nworld=2), MujocoStep(mjm, mjd)
+    qvel = np.asarray(together.initial_state()["qvel"]) * np.array([[1.0], [-0.5]], np.float32)
+
+    def run(step, qvel):
+        final = rollout(step, {**step.initial_state(), "qvel": qvel}, num_steps=5)[0]
+        return jnp.sum(jnp.sin(final["qpos"])) + jnp.sum(jnp.sin(final.get("sensordata", 0.0))), final
+
+    (_, final), grad = jax.jit(jax.value_and_grad(lambda q: run(together, q), has_aux=True))(jnp.asarray(qvel))
+    one = jax.jit(jax.value_and_grad(lambda q: run(alone, q), has_aux=True))
+    for w in range(2):
+        (_, final_w), grad_w = one(jnp.asarray(qvel[w:w + 1]))
+        for name in ("qpos", "qvel", "sensordata")[:3 if mjm.nsensordata else 2]:
+            np.testing.assert_allclose(np.asarray(final[name][w:w + 1]), np.asarray(final_w[name]), rtol=1e-6,
+                                       atol=1e-6)
+        np.testing.assert_allclose(np.asarray(grad[w:w + 1]), np.asarray(grad_w), rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(grad[0] - grad[1])).max() > 1e-3  # (the worlds differ)
+
+
 def test_worlds_step_together_as_in_mujoco_warp(arm):
     """``nworld=3``: one launch per kernel advances three worlds, equal to mujoco_warp stepping the same three
     worlds, and each world to the ``nworld=1`` step run from its state (measured 0.0 and 0.0); so are its
@@ -574,9 +618,7 @@ def test_the_implicit_integrator_steps_as_mujoco_warps_and_differentiates(case):
     rule's inputs constant (stop_gradient) fails the tree's (0.10 relative, tried); leaving its term out fails the
     trace-time value check."""
     if case == "tree":
-        mjm = mujoco.MjModel.from_xml_string(with_integrator(TREE, "implicit"))
-        mjm, mjd = start(mjm, qpos=tree_pose(mjm, [0.9, 0.2, -0.3, 0.1]), qvel=np.linspace(-1.5, 2.0, mjm.nv))
-        mjm.body_sameframe[:] = 0  # (see the tree fixture)
+        mjm, mjd = _implicit_tree()
         mjd.ctrl[:] = [0.2, -0.1, 0.3]
         fields = ("body_mass", "dof_damping")
     else:
