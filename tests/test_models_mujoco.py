@@ -676,6 +676,11 @@ OPTIONS = {
     "Euler without implicit damping": (
         ARM, lambda xml: xml.replace('<flag contact="disable"/>', '<flag contact="disable" eulerdamp="disable"/>'),
         [0.3, -0.5], [0.5, -1.0], ("dof_damping",), 1e-3),
+    # (a DC motor's gainprm also holds settings that choose its state's size: not a parameter to perturb)
+    "a DC motor (Euler)": (
+        ARM, lambda xml: xml.replace('<motor joint="shoulder" gear="1"/>',
+                                     '<dcmotor joint="shoulder" motorconst="0.05" resistance="2"/>'),
+        [0.3, -0.5], [0.5, -1.0], ("dof_damping", "body_mass"), 1e-3),
     "torsional and rolling friction, pyramidal cones": (
         BOX, lambda xml: xml.replace('mass="1"/>', 'mass="1" condim="6"/>'), [0, 0, 0.1005, 0.995, 0.0998, 0, 0],
         [0.3, 0.0, -0.2, 0.0, 0.0, 1.0], ("geom_friction",), 1e-2),
