@@ -607,10 +607,10 @@ def _velocity_derivative_rule(m) -> list:
     its activation, the next one where ``actearly``; 0 where ``forcerange`` clamps the force) times its moment's
     outer product; minus, on the diagonal, each dof's damping and its polynomial's derivative (the joint's
     actuators' ``damping`` times gear squared included); minus each tendon's damping (its actuators' included) times
-    ``J_t' J_t``, on ``M``'s entries. Covered: gains fixed, affine or muscle, biases none, affine or muscle,
-    activation dynamics integrator, filter, filterexact or muscle, no joint or tendon
-    actuator-force limits, no fluid forces, no control delays, actuation and damping enabled; for anything else the
-    rule refuses, naming it, and so does reverse mode through the stage.
+    ``J_t' J_t``, on ``M``'s entries; 0 for an actuator whose joint's or tendon's total actuator force is at its
+    ``actfrcrange``. Covered: gains fixed, affine or muscle, biases none, affine or muscle, activation dynamics
+    integrator, filter, filterexact or muscle, no fluid forces, no control delays, actuation and damping enabled;
+    for anything else the rule refuses, naming it, and so does reverse mode through the stage.
     """
     import numpy as np
     from mujoco_warp._src import derivative, types
@@ -623,6 +623,16 @@ def _velocity_derivative_rule(m) -> list:
         return np.asarray(a.numpy())
 
     gaintype, biastype, dyntype = host(m.actuator_gaintype), host(m.actuator_biastype), host(m.actuator_dyntype)
+    # actuators whose joint's or tendon's total actuator force has a limit (derivative.py's _jnt_actfrc_clamped,
+    # _tendon_actfrc_clamped: where the total is at its limit, the actuator's derivative is 0)
+    trntype, trnid = host(m.actuator_trntype), host(m.actuator_trnid).reshape(-1, 2)[:, 0]
+    on_trn_tendon = trntype == int(types.TrnType.TENDON)
+    on_trn_joint = np.isin(trntype, (int(types.TrnType.JOINT), int(types.TrnType.JOINTINPARENT)))
+    joint_limited = on_trn_joint & host(m.jnt_actfrclimited)[np.where(on_trn_joint, trnid, 0)] if m.njnt else \
+        np.zeros_like(on_trn_joint)
+    tendon_limited = on_trn_tendon & host(m.tendon_actfrclimited)[np.where(on_trn_tendon, trnid, 0)] \
+        if m.ntendon else np.zeros_like(on_trn_tendon)
+    limited_dof = host(m.jnt_dofadr)[np.where(joint_limited, trnid, 0)] if m.njnt else trnid
     dynamics = (types.DynType.INTEGRATOR, types.DynType.FILTER, types.DynType.FILTEREXACT, types.DynType.MUSCLE)
     off = int(m.opt.disableflags) & (int(types.DisableBit.ACTUATION) | int(types.DisableBit.DAMPER))
     unsupported = [reason for reason, present in (
@@ -632,8 +642,6 @@ def _velocity_derivative_rule(m) -> list:
          ~np.isin(biastype, (types.BiasType.NONE, types.BiasType.AFFINE, types.BiasType.MUSCLE))),
         ("activation dynamics other than integrator, filter, filterexact or muscle",
          ~np.isin(dyntype, (types.DynType.NONE, *dynamics))),
-        ("a joint's actuator-force limit", host(m.jnt_actfrclimited)),
-        ("a tendon's actuator-force limit", host(m.tendon_actfrclimited)),
         ("fluid forces", np.array([bool(m.has_fluid)])),
         ("control delays", np.array([getattr(m, "nhistory", 0) > 0])),
         ("actuation or damping disabled", np.array([off != 0]))) if np.any(present)]
@@ -683,6 +691,18 @@ def _velocity_derivative_rule(m) -> list:
             force, limits = after["actuator_force"], _per_world(after["actuator_forcerange"], nworld)
             clamped = forcelimited & ((force <= limits[..., 0]) | (force >= limits[..., 1]))
             vel = jnp.where(clamped, 0.0, vel)
+        if joint_limited.any():  # (the joint's total at the dof, after its clamp)
+            total = after["qfrc_actuator"][:, limited_dof]
+            limits = _per_world(after["jnt_actfrcrange"], nworld)[:, np.where(joint_limited, trnid, 0)]
+            vel = jnp.where(joint_limited & ((total <= limits[..., 0]) | (total >= limits[..., 1])), 0.0, vel)
+        if tendon_limited.any():  # (the sum of the tendon's actuators' forces, within a relative 1e-5)
+            tendon = np.where(on_trn_tendon, trnid, 0)
+            per_tendon = jnp.zeros((nworld, m.ntendon), dtype).at[:, tendon].add(
+                jnp.where(on_trn_tendon, after["actuator_force"], 0.0))
+            total = per_tendon[:, tendon]
+            limits = _per_world(after["tendon_actfrcrange"], nworld)[:, tendon]
+            low, high = limits[..., 0] + 1e-5 * jnp.abs(limits[..., 0]), limits[..., 1] - 1e-5 * jnp.abs(limits[..., 1])
+            vel = jnp.where(tendon_limited & ((total <= low) | (total >= high)), 0.0, vel)
         moment, start, count = before["actuator_moment"], after["moment_rowadr"], after["moment_rownnz"]
         element = jnp.arange(moment.shape[1])
         owner = jnp.sum(element[None, None, :] >= start[:, :, None], 1) - 1  # (world, entry)
@@ -725,7 +745,8 @@ def _velocity_derivative_rule(m) -> list:
                                  "ten_velocity": d.ten_velocity, "actuator_length": d.actuator_length,
                                  "actuator_velocity": d.actuator_velocity, **model_arrays(m)},
         writes=lambda m, d, out: {"out": out},
-        context=lambda m, d, out: {"actuator_force": d.actuator_force,
+        context=lambda m, d, out: {"actuator_force": d.actuator_force, "qfrc_actuator": d.qfrc_actuator,
+                                   "jnt_actfrcrange": m.jnt_actfrcrange, "tendon_actfrcrange": m.tendon_actfrcrange,
                                    "actuator_forcerange": m.actuator_forcerange, "moment_rowadr": d.moment_rowadr,
                                    "moment_rownnz": d.moment_rownnz, "moment_colind": d.moment_colind},
         # (what the covered actuators' derivative does not depend on: the forces but for the clamp test, a choice
