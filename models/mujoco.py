@@ -28,9 +28,10 @@ against central differences of ``mj_step``: through 1, 10 and 100 steps of the a
 step of mujoco_warp's humanoid (<= 4e-5), and through the cart-pole's active limit (5e-5). Stages no per-kernel
 adjoint gets right are differentiated by rules (:func:`_stage_rules`, ``warpnn.StageRule``): the inertia solve, the
 constraint solver (its optimality conditions at the solution), the primitive narrowphase and the contact Jacobian
-(recomputed in JAX), tree walks over branches that share bodies, springs and dampers (right where mujoco_warp skips
-a zero coefficient), the position sensors but geom distances (:func:`_sensor_pos_rule`), the kinetic energy, the
-position update (its quaternion integration, right at zero angular velocity), the velocity derivative
+(recomputed in JAX), tree walks over branches that share bodies, joints' and tendons' springs and dampers (right
+where mujoco_warp skips a zero coefficient), the position sensors but geom distances (:func:`_sensor_pos_rule`),
+the kinetic energy, the position update (its quaternion integration, right at zero angular velocity), the velocity
+derivative
 ``implicitfast`` solves with (:func:`_velocity_derivative_rule`), the ``implicit`` integrator's Coriolis derivative
 and LU solve (:func:`_implicit_rules`), spatial tendons through sites (:func:`_tendon_site_rules`); the other kernels
 through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
@@ -248,7 +249,7 @@ def _stage_rules(m) -> list:
     )
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
              _tendon_armature_rule(m), *_tendon_dot_rule(m), *_tendon_site_rules(m), *_tendon_path_rule(m),
-             *_tendon_bias_rules(m), *_sensor_pos_rule(m),
+             *_tendon_bias_rules(m), *_tendon_passive_rule(m), *_sensor_pos_rule(m),
              _kinetic_energy_rule(), *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
              *([_elliptic_rows_rule(m)] if elliptic else []), *_velocity_derivative_rule(m), *_implicit_rules(m)]
     return _for_this_mujoco_warp(rules)
@@ -1483,6 +1484,57 @@ def _passive_rule(m):
         writes=lambda **a: {n: a[n] for n in ("qfrc_spring_out", "qfrc_damper_out")},
         ignores=lambda **a: {n: a[n] for n in ("qfrc_spring_out", "qfrc_damper_out")},  # (every dof overwritten)
     )
+
+
+def _tendon_passive_rule(m) -> list:
+    """``passive._spring_damper_tendon_passive`` by a rule: it skips a tendon whose spring's or damper's coefficients
+    are all exactly zero (``has_stiffness = stiffness != 0.0 or ...``), where the force's derivative in them is not
+    zero (``-x`` for the stiffness, ``-v`` for the damping), and the equality guard makes their gradient NaN there
+    (a tendon's stiffness trained from 0, say). The rule adds each tendon's spring and damper force times its
+    Jacobian row to ``qfrc_spring`` / ``qfrc_damper`` without the branches, as the kernel's formulas otherwise (the
+    damping with its actuators', times gear squared; a plastic tendon's range from ``plastic``)."""
+    import numpy as np
+    from mujoco_warp._src import passive
+
+    if not m.ntendon:
+        return []
+    entry, ten_row, ten_dof = _tendon_entries(m)
+    plasticadr = np.asarray(m.tendon_plasticadr.numpy())
+    on_tendon = _actuators_on(m, tendons=True)
+
+    def rule(before, after):
+        length, velocity = before["ten_length_in"], before["ten_velocity_in"]
+        nworld = length.shape[0]
+        world = lambda name: _per_world(before[name], nworld)  # noqa: E731
+        gear = world("actuator_gear")
+        spring_range = world("tendon_lengthspring")
+        if (plasticadr >= 0).any():
+            plastic = before["plastic_in"][:, np.maximum(plasticadr, 0)[:, None] + np.arange(2)]
+            spring_range = jnp.where((plasticadr >= 0)[:, None], plastic, spring_range)
+        lower, upper = spring_range[..., 0], spring_range[..., 1]
+        x = jnp.where(length > upper, length - upper, jnp.where(length < lower, length - lower, 0.0))
+        spoly = world("tendon_stiffnesspoly")
+        spring = -x * (world("tendon_stiffness") + spoly[..., 0] * x + spoly[..., 1] * x * x)  # (_poly_force, even)
+        damping = _plus_actuators(world("tendon_damping"), world("actuator_damping"), gear, on_tendon)
+        dpoly = _plus_actuators(world("tendon_dampingpoly"), world("actuator_dampingpoly"), gear, on_tendon)
+        speed = jnp.abs(velocity)
+        damper = -velocity * (damping + dpoly[..., 0] * speed + dpoly[..., 1] * speed * speed)  # (odd)
+        J = before["ten_J_in"][:, entry]
+        out = {}
+        for name, force, off in (("qfrc_spring_out", spring, after["dsbl_spring"]),
+                                 ("qfrc_damper_out", damper, after["dsbl_damper"])):
+            added = before[name].at[:, ten_dof].add(J * force[:, ten_row])
+            out[name] = jnp.where(off, before[name], added)
+        return out
+
+    floats = ("tendon_stiffness", "tendon_stiffnesspoly", "tendon_damping", "tendon_dampingpoly",
+              "tendon_lengthspring", "actuator_damping", "actuator_dampingpoly", "actuator_gear", "plastic_in",
+              "ten_J_in", "ten_length_in", "ten_velocity_in", "qfrc_spring_out", "qfrc_damper_out")
+    return [warpnn.StageRule(
+        passive, "_spring_damper_tendon_passive", rule, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in floats},
+        writes=lambda **a: {n: a[n] for n in ("qfrc_spring_out", "qfrc_damper_out")},
+    )]
 
 
 def _make_frame(n):

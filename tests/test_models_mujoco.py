@@ -119,6 +119,30 @@ TREE = """
 # box's gradient test runs contacts through 10 and 100 steps, the arm's smooth dynamics through 100)
 ONE_AND_TEN_STEPS = [1, pytest.param(10, marks=pytest.mark.slow)]
 
+# A double pendulum with a fixed tendon coupling its joints (a spring, a damper) and a motor on the tendon
+TENDON = """
+<mujoco>
+  <option timestep="0.01"/>
+  <worldbody>
+    <body>
+      <joint name="a" type="hinge" axis="0 1 0" damping="0.1"/>
+      <geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>
+      <body pos="0 0 -0.5">
+        <joint name="b" type="hinge" axis="0 1 0" damping="0.1"/>
+        <geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>
+      </body>
+    </body>
+  </worldbody>
+  <tendon>
+    <fixed name="t" stiffness="2" damping="0.3" springlength="0.1">
+      <joint joint="a" coef="1"/><joint joint="b" coef="-0.5"/>
+    </fixed>
+  </tendon>
+  <actuator><motor tendon="t" gear="1.5"/></actuator>
+</mujoco>
+"""
+TENDON_PARAMS = ("tendon_stiffness", "tendon_damping", "tendon_lengthspring", "dof_damping", "actuator_gainprm")
+
 
 def start(xml, qpos=None, qvel=None):
     mjm = mujoco.MjModel.from_xml_string(xml) if isinstance(xml, str) else xml
@@ -676,6 +700,10 @@ OPTIONS = {
     "Euler without implicit damping": (
         ARM, lambda xml: xml.replace('<flag contact="disable"/>', '<flag contact="disable" eulerdamp="disable"/>'),
         [0.3, -0.5], [0.5, -1.0], ("dof_damping",), 1e-3),
+    # (the tendon passive kernel skips a tendon whose coefficients are all 0: its rule's sums, no NaN)
+    "a tendon's spring and damper trained from 0": (
+        TENDON, lambda xml: xml.replace('stiffness="2" damping="0.3"', 'stiffness="0" damping="0"'),
+        [0.3, -0.5], [0.5, -1.0], ("tendon_stiffness", "tendon_damping", "tendon_lengthspring"), 1e-3),
     # (a DC motor's gainprm also holds settings that choose its state's size: not a parameter to perturb)
     "a DC motor (Euler)": (
         ARM, lambda xml: xml.replace('<motor joint="shoulder" gear="1"/>',
@@ -877,28 +905,6 @@ def test_actuators_with_activation_dynamics_and_joint_friction_differentiate(act
     assert np.abs(np.asarray(act)).max() > 1e-2 and np.abs(np.asarray(params["dof_frictionloss"])).max() > 1e-2
 
 
-TENDON = """
-<mujoco>
-  <option timestep="0.01"/>
-  <worldbody>
-    <body>
-      <joint name="a" type="hinge" axis="0 1 0" damping="0.1"/>
-      <geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>
-      <body pos="0 0 -0.5">
-        <joint name="b" type="hinge" axis="0 1 0" damping="0.1"/>
-        <geom type="capsule" size="0.05" fromto="0 0 0 0 0 -0.5" mass="1"/>
-      </body>
-    </body>
-  </worldbody>
-  <tendon>
-    <fixed name="t" stiffness="2" damping="0.3" springlength="0.1">
-      <joint joint="a" coef="1"/><joint joint="b" coef="-0.5"/>
-    </fixed>
-  </tendon>
-  <actuator><motor tendon="t" gear="1.5"/></actuator>
-</mujoco>
-"""
-TENDON_PARAMS = ("tendon_stiffness", "tendon_damping", "tendon_lengthspring", "dof_damping", "actuator_gainprm")
 
 
 @pytest.fixture(scope="module")
