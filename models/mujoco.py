@@ -31,10 +31,9 @@ constraint solver (its optimality conditions at the solution), the primitive nar
 (recomputed in JAX), tree walks over branches that share bodies, joints' and tendons' springs and dampers (right
 where mujoco_warp skips a zero coefficient), the position sensors but geom distances (:func:`_sensor_pos_rule`),
 the kinetic energy, the position update (its quaternion integration, right at zero angular velocity), the velocity
-derivative
-``implicitfast`` solves with (:func:`_velocity_derivative_rule`), the ``implicit`` integrator's Coriolis derivative
-and LU solve (:func:`_implicit_rules`), spatial tendons through sites (:func:`_tendon_site_rules`); the other kernels
-through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
+derivative ``implicitfast`` solves with (:func:`_velocity_derivative_rule`), the ``implicit`` integrator's Coriolis
+derivative and LU solve (:func:`_implicit_rules`), spatial tendons through sites (:func:`_tendon_site_rules`); the
+other kernels through their adjoints (those mujoco_warp builds with ``enable_backward=False`` rebuilt), with tree walks
 down a chain, in-place updates and loops bounded by the model proven when the step is traced. Refused today, with
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
 cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, a capsule's with capsules and
@@ -337,9 +336,10 @@ def _spd_solve(A, b):
     differentiates the solve by solving again). On a CPU the factorization and the substitutions are Warp kernels,
     one thread per world (``warpnn_models._linear_algebra``, built without adjoints); elsewhere their pure-JAX
     references, column by column over every world at once (``jax.lax.platform_dependent`` picks by the platform
-    compiled for). Measured (fwd+bwd of the humanoid's 20-step rollout, 2026-12-07): CPU, 64 worlds, kernels 3,820 steps/s against
-    JAX's 3,117 (each of the JAX loops' ``n`` steps an XLA operation of its own); H100, 1,024 worlds, JAX 303k
-    against the kernels' 236k (one GPU thread per world runs its 27 x 27 factorization alone, serially).
+    compiled for). Measured (fwd+bwd of the humanoid's 20-step rollout, 2026-12-07): CPU, 64 worlds, kernels 3,820
+    steps/s against JAX's 3,117 (each of the JAX loops' ``n`` steps an XLA operation of its own); H100, 1,024
+    worlds, JAX 303k against the kernels' 236k (one GPU thread per world runs its 27 x 27 factorization alone,
+    serially).
     Not LAPACK or cuSOLVER: jaxlib 0.10's batched LAPACK kernels split their batch over XLA's CPU thread pool and
     wait for the pieces, and two running at once (the inertia's and the constraint solver's solves, in a step's
     backward) waited on each other forever on a two-core machine (measured: 512 worlds' 27 x 27 LU factorizations,
