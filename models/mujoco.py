@@ -576,6 +576,13 @@ def _tree_rules(m) -> list:
     ]
 
 
+def _poly_force(linear, poly, x, odd=False):
+    """mujoco_warp's ``util_misc._poly_force``: a spring's or damper's coefficient at ``x``, ``linear + poly[0] x
+    + poly[1] x^2`` (``odd``: of ``|x|``, for a damper's force, odd in the velocity)."""
+    x = jnp.abs(x) if odd else x
+    return linear + poly[..., 0] * x + poly[..., 1] * x * x
+
+
 def _safe_norm(v):
     """``|v|`` over the last axis, with a zero (not NaN) derivative at ``v = 0``."""
     squared = jnp.sum(v * v, axis=-1, keepdims=True)
@@ -938,6 +945,21 @@ def _tendon_entries(m):
     return _csr_entries(m.ten_J_rownnz, m.ten_J_rowadr, m.ten_J_colind)
 
 
+def _tendon_products(m):
+    """``ten_J``'s sparse rows as the two sums the tendon kernels take over a row's entries: ``rows(J, v)``, each
+    tendon's ``J_t . v`` (``(world, ntendon)``), and ``columns(J, f)``, ``J' f`` per dof (``(world, nv)``); ``J``
+    in ``ten_J``'s layout (``ten_J`` or ``ten_Jdot``)."""
+    entry, tendon, dof = _tendon_entries(m)
+
+    def rows(J, v):
+        return jnp.zeros((v.shape[0], m.ntendon), v.dtype).at[:, tendon].add(J[:, entry] * v[:, dof])
+
+    def columns(J, f):
+        return jnp.zeros((f.shape[0], m.nv), f.dtype).at[:, dof].add(J[:, entry] * f[:, tendon])
+
+    return rows, columns
+
+
 def _tendon_armature_rule(m):
     """``smooth._tendon_armature`` by a rule: it adds each tendon's armature ``a_t`` (its own plus its actuators'
     armature times gear squared) times ``J_t' J_t`` to the inertia, entry by entry along each dof's ancestors, in a
@@ -1018,14 +1040,10 @@ def _tendon_site_rules(m) -> list:
 
     if not m.ntendon:
         return []
-    entry, ten_row, ten_dof = _tendon_entries(m)
-
-    def velocity(before, after):
-        terms = before["ten_J_in"][:, entry] * before["qvel_in"][:, ten_dof]
-        return {"ten_velocity_out": jnp.zeros_like(after["ten_velocity_out"]).at[:, ten_row].add(terms)}
-
+    rows, _ = _tendon_products(m)
     rules = [warpnn.StageRule(
-        forward, "_tendon_velocity", velocity, per_launch=True,
+        forward, "_tendon_velocity", lambda before, after: {
+            "ten_velocity_out": rows(before["ten_J_in"], before["qvel_in"])}, per_launch=True,
         reads=lambda qvel_in, ten_J_in, **_: {"qvel_in": qvel_in, "ten_J_in": ten_J_in},
         writes=lambda ten_velocity_out, **_: {"ten_velocity_out": ten_velocity_out})]
     pair_adr, pair_tendon = (np.asarray(a.numpy()) for a in (m.wrap_site_pair_adr, m.tendon_site_pair_adr))
@@ -1034,7 +1052,7 @@ def _tendon_site_rules(m) -> list:
     objid, pulley = np.asarray(m.wrap_objid.numpy()), np.asarray(m.wrap_pulley_scale.numpy())
     site_body, root, parent, dofadr, dofnum = (np.asarray(a.numpy()) for a in (
         m.site_bodyid, m.body_rootid, m.body_parentid, m.body_dofadr, m.body_dofnum))
-    place = {(int(t), int(d)): int(e) for e, t, d in zip(entry, ten_row, ten_dof)}  # (tendon, dof) -> ten_J entry
+    place = {(int(t), int(d)): int(e) for e, t, d in zip(*_tendon_entries(m))}  # (tendon, dof) -> ten_J entry
     site0, site1 = objid[pair_adr], objid[pair_adr + 1]
     scale = pulley[pair_adr].astype(np.float32)
     terms = []  # (pair, end: 0 or 1, dof, ten_J entry, sign) of each Jacobian term _accumulate_jac_chain adds
@@ -1137,18 +1155,16 @@ def _tendon_bias_rules(m) -> list:
     from mujoco_warp._src import smooth
 
     on_tendon = _actuators_on(m, tendons=True)
-    entry, tendon, dof = _tendon_entries(m)
+    rows, columns = _tendon_products(m)
 
     def coefficient(before, after):
-        coef, qvel = before["ten_bias_coef_out"], before["qvel_in"]
-        return {"ten_bias_coef_out": coef.at[:, tendon].add(before["ten_Jdot_in"][:, entry] * qvel[:, dof])}
+        return {"ten_bias_coef_out": before["ten_bias_coef_out"] + rows(before["ten_Jdot_in"], before["qvel_in"])}
 
     def force(before, after):
         qfrc = before["qfrc_out"]
         armature = _plus_actuators(*(_per_world(before[n], qfrc.shape[0]) for n in (
             "tendon_armature", "actuator_armature", "actuator_gear")), on_tendon)
-        terms = before["ten_J_in"][:, entry] * (armature * before["ten_bias_coef_in"])[:, tendon]
-        return {"qfrc_out": qfrc.at[:, dof].add(terms)}
+        return {"qfrc_out": qfrc + columns(before["ten_J_in"], armature * before["ten_bias_coef_in"])}
 
     armature = ("tendon_armature", "actuator_armature", "actuator_gear")
     return [
@@ -1449,8 +1465,8 @@ def _passive_rule(m):
         spring, damper = [None] * qvel.shape[1], [None] * qvel.shape[1]
         for j, kind in enumerate(jnt_type):
             q, d, p = qposadr[j], dofadr[j], plasticadr[j]
-            k_lin, k_poly = stiffness[:, j, None], spoly[:, j]
-            poly = lambda x: k_lin + k_poly[:, :1] * x + k_poly[:, 1:] * x * x  # noqa: E731 (_poly_force, even)
+            k_lin, k_poly = stiffness[:, j, None], spoly[:, j, None]
+            poly = lambda x: _poly_force(k_lin, k_poly, x)  # noqa: E731
             if kind in (FREE, BALL):
                 parts = []
                 if kind == FREE:
@@ -1470,7 +1486,7 @@ def _passive_rule(m):
             n = force.shape[1]
             c, c_poly = damping[:, d:d + n], dpoly[:, d:d + n]
             v = qvel[:, d:d + n]
-            friction = -v * (c + c_poly[..., 0] * jnp.abs(v) + c_poly[..., 1] * v * v)  # (_poly_force, odd)
+            friction = -v * _poly_force(c, c_poly, v, odd=True)
             friction = jnp.where((flags & damper_off) != 0, 0.0, friction)
             for i in range(n):
                 spring[d + i], damper[d + i] = force[:, i], friction[:, i]
@@ -1498,7 +1514,7 @@ def _tendon_passive_rule(m) -> list:
 
     if not m.ntendon:
         return []
-    entry, ten_row, ten_dof = _tendon_entries(m)
+    _, columns = _tendon_products(m)
     plasticadr = np.asarray(m.tendon_plasticadr.numpy())
     on_tendon = _actuators_on(m, tendons=True)
 
@@ -1513,18 +1529,14 @@ def _tendon_passive_rule(m) -> list:
             spring_range = jnp.where((plasticadr >= 0)[:, None], plastic, spring_range)
         lower, upper = spring_range[..., 0], spring_range[..., 1]
         x = jnp.where(length > upper, length - upper, jnp.where(length < lower, length - lower, 0.0))
-        spoly = world("tendon_stiffnesspoly")
-        spring = -x * (world("tendon_stiffness") + spoly[..., 0] * x + spoly[..., 1] * x * x)  # (_poly_force, even)
+        spring = -x * _poly_force(world("tendon_stiffness"), world("tendon_stiffnesspoly"), x)
         damping = _plus_actuators(world("tendon_damping"), world("actuator_damping"), gear, on_tendon)
         dpoly = _plus_actuators(world("tendon_dampingpoly"), world("actuator_dampingpoly"), gear, on_tendon)
-        speed = jnp.abs(velocity)
-        damper = -velocity * (damping + dpoly[..., 0] * speed + dpoly[..., 1] * speed * speed)  # (odd)
-        J = before["ten_J_in"][:, entry]
+        damper = -velocity * _poly_force(damping, dpoly, velocity, odd=True)
         out = {}
         for name, force, off in (("qfrc_spring_out", spring, after["dsbl_spring"]),
                                  ("qfrc_damper_out", damper, after["dsbl_damper"])):
-            added = before[name].at[:, ten_dof].add(J * force[:, ten_row])
-            out[name] = jnp.where(off, before[name], added)
+            out[name] = jnp.where(off, before[name], before[name] + columns(before["ten_J_in"], force))
         return out
 
     floats = ("tendon_stiffness", "tendon_stiffnesspoly", "tendon_damping", "tendon_dampingpoly",
