@@ -38,7 +38,7 @@ down a chain, in-place updates and loops bounded by the model proven when the st
 the reason (``reverse_refusals()``): collision pairs other than a plane's with spheres, capsules, ellipsoids,
 cylinders and boxes, a sphere's with spheres, capsules, cylinders and boxes, a capsule's with capsules and
 boxes, two boxes (with ``nativeccd`` disabled: else mujoco_warp collides them by GJK/EPA), a mesh on a plane (other
-mesh and convex pairs are refused), a sparse constraint Jacobian, spatial tendons that wrap geoms or have armature.
+mesh and convex pairs are refused), a sparse constraint Jacobian, spatial tendons with armature.
 Elliptic friction cones differentiate (the contact rows by a rule, the solver's rule with the cone's force), and so
 do the Euler, RK4 and ``implicitfast`` integrators and the Newton and CG solvers. See ``docs/mujoco.md``.
 
@@ -247,8 +247,8 @@ def _stage_rules(m) -> list:
                                  if elliptic else {"contact.friction": d.contact.friction})},
     )
     rules = [factor_solve, constraint_solve, _position_rule(m), _passive_rule(m), _applied_force_rule(m),
-             _tendon_armature_rule(m), *_tendon_dot_rule(m), *_tendon_site_rules(m), *_tendon_path_rule(m),
-             *_tendon_bias_rules(m), *_tendon_passive_rule(m), *_sensor_pos_rule(m),
+             _tendon_armature_rule(m), *_tendon_dot_rule(m), *_tendon_site_rules(m), *_tendon_geom_rule(m),
+             *_tendon_path_rule(m), *_tendon_bias_rules(m), *_tendon_passive_rule(m), *_sensor_pos_rule(m),
              _kinetic_energy_rule(), *_transmission_rule(m), *_tree_rules(m), *_contact_rules(m),
              *([_elliptic_rows_rule(m)] if elliptic else []), *_velocity_derivative_rule(m), *_implicit_rules(m)]
     return _for_this_mujoco_warp(rules)
@@ -1024,6 +1024,15 @@ def _tendon_dot_rule(m) -> list:
     )]
 
 
+def _jacobian_chain(body, parent, dofadr, dofnum) -> list:
+    """The dofs ``smooth._accumulate_jac_chain`` walks from ``body`` up to the world: the body's, its parent's, ..."""
+    dofs = []
+    while body > 0:
+        dofs += range(dofadr[body], dofadr[body] + dofnum[body])
+        body = parent[body]
+    return dofs
+
+
 def _tendon_site_rules(m) -> list:
     """A spatial tendon's length and Jacobian between sites, and every tendon's velocity, by rules.
 
@@ -1060,11 +1069,8 @@ def _tendon_site_rules(m) -> list:
         if site_body[a] == site_body[b]:
             continue
         for end, (site, sign) in enumerate(((a, -1.0), (b, 1.0))):
-            body = site_body[site]
-            while body > 0:
-                for dof in range(dofadr[body], dofadr[body] + dofnum[body]):
-                    terms.append((pair, end, dof, place[(int(t), dof)], sign))
-                body = parent[body]
+            terms += [(pair, end, dof, place[(int(t), dof)], sign)
+                      for dof in _jacobian_chain(site_body[site], parent, dofadr, dofnum) if (int(t), dof) in place]
     pair_of, end_of, dof_of, entry_of, sign_of = (
         np.array(c) for c in zip(*terms)) if terms else (np.zeros(0, int),) * 5
 
@@ -1092,55 +1098,166 @@ def _tendon_site_rules(m) -> list:
         writes=lambda ten_J_out, ten_length_out, **_: {"ten_J_out": ten_J_out, "ten_length_out": ten_length_out})]
 
 
-def _tendon_path_rule(m) -> list:
-    """``smooth._spatial_tendon_wrap`` (the points of each spatial tendon's path, ``wrap_xpos``: for drawing it, and
-    for the forces on bodies ``rne_postconstraint`` computes) by a rule where no tendon wraps a geom: one thread per
-    world walks every tendon in a while loop (refused), and each point of a path between sites and pulleys is a
-    site's position, or zeros at a pulley, in slots the model fixes; the rule gathers them. A tendon wrapping a
-    sphere or cylinder adds points only where it wraps (a choice the positions make): the rule refuses it."""
+def _tendon_geom_rule(m) -> list:
+    """``smooth._spatial_geom_tendon`` by a rule: each site-geom-site stretch of a spatial tendon, wrapped around
+    the sphere or cylinder where the straight path would cross it (``util_misc.wrap``), adds its length and its
+    Jacobian. The kernel walks each end's chain of bodies in a while loop (refused) and skips exactly-zero Jacobian
+    terms (NaN under the equality guard, as the site tendons' did); ``wrap_inside`` (a side site inside the geom)
+    iterates Newton's method in a while loop. Rule: :func:`warpnn_models._tendon_wrap.wrap` in JAX and the same
+    sums over the model's fixed list of (stretch, point, dof) terms, each on where the stretch wraps or where it
+    does not. The wrap points (``wrap_geom_xpos``, read by the path below) are the rule's too."""
     import numpy as np
     from mujoco_warp._src import smooth, types
+    from mujoco_warp._src.types import MJ_MINVAL
+
+    from ._tendon_wrap import wrap
+
+    adr = np.asarray(m.wrap_geom_adr.numpy())
+    if not adr.size:
+        return []
+    tendon, objid, kind, prm, pulley, site_body, geom_body, root, parent, dofadr, dofnum = (
+        np.asarray(a.numpy()) for a in (m.tendon_geom_adr, m.wrap_objid, m.wrap_type, m.wrap_prm,
+                                        m.wrap_pulley_scale, m.site_bodyid, m.geom_bodyid, m.body_rootid,
+                                        m.body_parentid, m.body_dofadr, m.body_dofnum))
+    site0, geom, site1 = objid[adr - 1], objid[adr], objid[adr + 1]
+    side = np.round(prm[adr]).astype(np.int32)
+    has_side, side = side >= 0, np.maximum(side, 0)
+    cylinder = kind[adr] == int(types.WrapType.CYLINDER)
+    scale = pulley[adr].astype(np.float32)
+    # each stretch's four points (site, the geom's two, site) and the body each moves with
+    bodies = np.stack([site_body[site0], geom_body[geom], geom_body[geom], site_body[site1]], 1)
+    place = {(int(t), int(d)): int(e) for e, t, d in zip(*_tendon_entries(m))}  # (tendon, dof) -> ten_J entry
+    terms = []  # (stretch, point, segment: site-geom 0, geom-site 1, site-site 2, dof, ten_J entry, sign)
+    for e, t in enumerate(tendon):
+        t = int(t)
+        for segment, (first, second) in enumerate(((0, 1), (2, 3), (0, 3))):
+            if bodies[e, first] == bodies[e, second]:
+                continue
+            for point, sign in ((first, -1.0), (second, 1.0)):
+                terms += [(e, point, segment, dof, place[(t, dof)], sign)
+                          for dof in _jacobian_chain(bodies[e, point], parent, dofadr, dofnum) if (t, dof) in place]
+    stretch_of, point_of, segment_of, dof_of, entry_of, sign_of = (
+        np.array(c) for c in zip(*terms)) if terms else (np.zeros(0, int),) * 6
+
+    def direction(d):  # (the segment's unit vector, or x where it is shorter than MJ_MINVAL)
+        norm = jnp.linalg.norm(d, axis=-1)
+        short = norm < MJ_MINVAL
+        return jnp.where(short[..., None], jnp.asarray([1.0, 0.0, 0.0], d.dtype),
+                         d / jnp.where(short, 1.0, norm)[..., None]), norm
+
+    def geom_tendon(before, after):
+        xpos, com, cdof = before["site_xpos_in"], before["subtree_com_in"], before["cdof_in"]
+        nworld = xpos.shape[0]
+        x0, x1 = xpos[:, site0], xpos[:, site1]  # (world, stretch, 3)
+        radius = _per_world(before["geom_size"], nworld)[:, geom, 0]
+        wrapped_length, g0, g1 = wrap(x0, x1, before["geom_xpos_in"][:, geom], before["geom_xmat_in"][:, geom],
+                                      radius, jnp.asarray(cylinder), xpos[:, side], jnp.asarray(has_side))
+        wrapped = wrapped_length >= 0.0
+        on_geom0 = jnp.where(wrapped[..., None], g0, x0)  # (MJ_MAXVAL where it does not wrap: not used there)
+        on_geom1 = jnp.where(wrapped[..., None], g1, x1)
+        to_geom, to_geom_length = direction(on_geom0 - x0)
+        from_geom, from_geom_length = direction(x1 - on_geom1)
+        straight, straight_length = direction(x1 - x0)
+        length = jnp.where(wrapped, to_geom_length + wrapped_length + from_geom_length, straight_length)
+        out_length = before["ten_length_out"].at[:, tendon].add(length * scale)
+        points = jnp.stack([x0, on_geom0, on_geom1, x1], 2)  # (world, stretch, 4, 3)
+        offset = (points - com[:, root[bodies]])[:, stretch_of, point_of]  # (world, term, 3)
+        vec = jnp.stack([to_geom, from_geom, straight], 2)[:, stretch_of, segment_of]
+        on = jnp.stack([wrapped, wrapped, ~wrapped], 2)[:, stretch_of, segment_of]
+        motion = cdof[:, dof_of]
+        jacp = motion[..., 3:] + jnp.cross(motion[..., :3], offset)
+        J = jnp.where(on, jnp.sum(jacp * vec, -1) * (sign_of * scale[stretch_of]).astype(xpos.dtype), 0.0)
+        geom_points = before["wrap_geom_xpos_out"].at[:, :adr.size].set(jnp.concatenate([g0, g1], -1))
+        return {"ten_length_out": out_length, "ten_J_out": before["ten_J_out"].at[:, entry_of].add(J),
+                "wrap_geom_xpos_out": geom_points}
+
+    return [warpnn.StageRule(
+        smooth, "_spatial_geom_tendon", geom_tendon, per_launch=True,
+        reads=lambda **a: {n: a[n] for n in ("site_xpos_in", "geom_xpos_in", "geom_xmat_in", "geom_size",
+                                              "subtree_com_in", "cdof_in", "ten_J_out", "ten_length_out",
+                                              "wrap_geom_xpos_out")},
+        writes=lambda **a: {n: a[n] for n in ("ten_J_out", "ten_length_out", "wrap_geom_xpos_out")})]
+
+
+def _tendon_path_rule(m) -> list:
+    """``smooth._spatial_tendon_wrap`` (the points of each spatial tendon's path, ``wrap_xpos``: for drawing it, and
+    for the forces on bodies ``rne_postconstraint`` computes) by a rule: one thread per world walks every tendon in
+    a while loop (refused). Each point is a site's position, zeros at a pulley, or one of the two points where a
+    stretch wraps a geom, which it adds only where it wraps: the walk is the model's, each world's slots shift by
+    two after every stretch that wraps (``wrap_geom_xpos``'s first point is ``MJ_MAXVAL`` where it does not). The
+    rule takes the same walk and places each point at its world's slot."""
+    import numpy as np
+    from mujoco_warp._src import smooth, types
+    from mujoco_warp._src.types import MJ_MAXVAL
 
     tendon_type, adr, num = (np.asarray(a.numpy()) for a in (m.tendon_type, m.tendon_adr, m.tendon_num))
-    wrap_type, objid = np.asarray(m.wrap_type.numpy()), np.asarray(m.wrap_objid.numpy())
-    PULLEY, SITE = int(types.WrapType.PULLEY), int(types.WrapType.SITE)
-    slots, pulleys, wrapping = [], [], []  # (slot, site), pulley slots, tendons that wrap a geom
-    count = 0
+    kind, objid, geom_adr = (np.asarray(a.numpy()) for a in (m.wrap_type, m.wrap_objid, m.wrap_geom_adr))
+    PULLEY = int(types.WrapType.PULLEY)
+    GEOMS = (int(types.WrapType.SPHERE), int(types.WrapType.CYLINDER))
+    SITE, FIRST, SECOND, ZERO = range(4)  # (what a point is: a site, a wrapped stretch's first or second, zeros)
+    # the kernel's walk: steps (the geom stretch there or -1; a step takes 1 slot, 3 where its stretch wraps) and
+    # points (step, slot in the step, what, which site or stretch, the stretch whose wrap it needs or -1); it meets
+    # the geom stretches in wrap_geom_xpos's order (mujoco_warp's io lays them out so; checked: in_order)
+    steps, points = [], []
+    stretch, in_order = 0, True
     for t in np.flatnonzero(tendon_type != int(types.TendonType.FIXED)):
-        kinds = wrap_type[adr[t]:adr[t] + num[t]]
-        if not np.isin(kinds, (PULLEY, SITE)).all():
-            wrapping.append(int(t))
-            continue
-        for j in range(num[t] - 1):  # (the kernel's walk for sites and pulleys: a point per site, before a
-            k0, k1 = kinds[j], kinds[j + 1]  # pulley or at the end also the segment's second site)
+        first, j = adr[t], 0
+        while j < num[t] - 1:
+            k0, k1 = kind[first + j], kind[first + j + 1]
             if k0 == PULLEY or k1 == PULLEY:
                 if k0 == PULLEY:
-                    pulleys.append(count)
-                    count += 1
+                    points.append((len(steps), 0, ZERO, 0, -1))
+                    steps.append(-1)
+                j += 1
                 continue
-            slots.append((count, int(objid[adr[t] + j])))
-            count += 1
-            if j + 1 == num[t] - 1 or kinds[j + 2] == PULLEY:
-                slots.append((count, int(objid[adr[t] + j + 1])))
-                count += 1
-    if not slots and not pulleys and not wrapping:
+            if k1 in GEOMS:  # (site, geom, site: the geom's two points where it wraps)
+                in_order &= stretch < geom_adr.size and geom_adr[stretch] == first + j + 1
+                points += [(len(steps), 0, SITE, objid[first + j], -1), (len(steps), 1, FIRST, stretch, stretch),
+                           (len(steps), 2, SECOND, stretch, stretch)]
+                steps.append(stretch)
+                stretch, last, j = stretch + 1, objid[first + j + 2], j + 2
+            else:
+                points.append((len(steps), 0, SITE, objid[first + j], -1))
+                steps.append(-1)
+                last, j = objid[first + j + 1], j + 1
+            if j == num[t] - 1 or (first + j + 1 < kind.size and kind[first + j + 1] == PULLEY):
+                points.append((len(steps), 0, SITE, last, -1))  # (the last site before a pulley or the end)
+                steps.append(-1)
+    if not points:
         return []
-    slot, site = (np.array(column, np.int32) for column in zip(*slots)) if slots else (np.zeros(0, np.int32),) * 2
+    step_wraps = np.array(steps, np.int32)
+    step_of, slot_in_step, what, which, needs = (np.array(c, np.int32) for c in zip(*points))
+    geoms = bool(geom_adr.size)  # (without geom stretches wrap_geom_xpos is never written: not read either)
 
     def rule(before, after):
-        if wrapping:
-            raise NotImplementedError(f"the tendon path rule covers paths through sites and pulleys; tendons "
-                                      f"{wrapping} wrap a geom")
-        points = before["wrap_xpos_out"].reshape(before["wrap_xpos_out"].shape[0], -1, 3)  # (world, 2 nwrap, 3)
-        points = points.at[:, slot].set(before["site_xpos_in"][:, site])
-        points = points.at[:, np.array(pulleys, np.int32)].set(0.0)
-        return {"wrap_xpos_out": points.reshape(before["wrap_xpos_out"].shape)}
+        if not in_order:
+            raise NotImplementedError("the tendon path rule walks the tendons' geom stretches in the order "
+                                      "mujoco_warp's io lays them out in (wrap_geom_adr); this model's differ")
+        out = before["wrap_xpos_out"]
+        nworld = out.shape[0]
+        xpos = before["site_xpos_in"]
+        if geoms:
+            geom_points = before["wrap_geom_xpos_in"][:, :geom_adr.size]
+            wrapped = jnp.linalg.norm(geom_points[..., :3], axis=-1) < MJ_MAXVAL  # (world, stretch)
+        else:  # (no geom stretch: nothing to read, no point needs one)
+            geom_points, wrapped = jnp.zeros((nworld, 1, 6), xpos.dtype), jnp.zeros((nworld, 1), bool)
+        size = jnp.where(step_wraps >= 0, 1 + 2 * wrapped[:, np.maximum(step_wraps, 0)].astype(jnp.int32), 1)
+        slot = (jnp.cumsum(size, axis=1) - size)[:, step_of] + slot_in_step  # (world, point)
+        present = (needs < 0) | wrapped[:, np.maximum(needs, 0)]
+        slot = jnp.where(present, slot, 2 * out.shape[1])  # (past the end: dropped)
+        geom = geom_points[:, np.minimum(which, geom_points.shape[1] - 1)]
+        value = jnp.select([what[:, None] == SITE, what[:, None] == FIRST, what[:, None] == SECOND],
+                           [xpos[:, np.minimum(which, xpos.shape[1] - 1)], geom[..., :3], geom[..., 3:]], 0.0)
+        placed = out.reshape(nworld, -1, 3).at[jnp.arange(nworld)[:, None], slot].set(value, mode="drop")
+        return {"wrap_xpos_out": placed.reshape(out.shape)}
 
     return [warpnn.StageRule(
         smooth, "_spatial_tendon_wrap", rule, per_launch=True,
-        reads=lambda site_xpos_in, wrap_xpos_out, **_: {"site_xpos_in": site_xpos_in, "wrap_xpos_out": wrap_xpos_out},
+        reads=lambda site_xpos_in, wrap_xpos_out, wrap_geom_xpos_in, **_: {
+            "site_xpos_in": site_xpos_in, "wrap_xpos_out": wrap_xpos_out,
+            **({"wrap_geom_xpos_in": wrap_geom_xpos_in} if geoms else {})},
         writes=lambda wrap_xpos_out, **_: {"wrap_xpos_out": wrap_xpos_out},
-        ignores=lambda wrap_geom_xpos_in, **_: {"wrap_geom_xpos_in": wrap_geom_xpos_in},  # (read for geom wraps only)
+        ignores=lambda wrap_geom_xpos_in, **_: {} if geoms else {"wrap_geom_xpos_in": wrap_geom_xpos_in},
     )]
 
 

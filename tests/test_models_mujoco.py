@@ -22,7 +22,7 @@ pytestmark = pytest.mark.quick_compile  # (tests/conftest.py)
 
 from .helpers import assert_close, on_one_device  # noqa: E402
 from mujoco_warp._src import collision_primitive_core as mjw_core, constraint as mjw_constraint  # noqa: E402
-from mujoco_warp._src import math as mjw_math, types as mjw_types  # noqa: E402
+from mujoco_warp._src import math as mjw_math, types as mjw_types, util_misc as mjw_util_misc  # noqa: E402
 from warpnn_models.mujoco import (  # noqa: E402
     MujocoStep, _inertia_to_dense, _lu_solve, _spd_solve, equinox_module, nnx_module, rollout)
 
@@ -1046,8 +1046,7 @@ def test_a_spatial_tendon_through_sites_and_a_pulley_differentiates():
     mujoco_warp's; gradients of the state and of the tendon's sensors through 1 and 10 steps w.r.t. the controls,
     the initial velocity, the tendons' stiffness, damping and spring lengths, joint damping and the motors' gains
     match central differences of mj_step (1e-3 relative). Its armature (with ``actuator_gear`` trained, so nothing
-    proves ``_tendon_dot``'s launch idle) and a tendon wrapping a geom are refused naming the kernel or the
-    tendon."""
+    proves ``_tendon_dot``'s launch idle) is refused naming the kernel."""
     mjm, mjd = start(SPATIAL_TENDON, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     mjd.ctrl[:] = [0.4, -0.3]
     fields = ("tendon_stiffness", "tendon_damping", "tendon_lengthspring", "dof_damping", "actuator_gainprm")
@@ -1067,13 +1066,46 @@ def test_a_spatial_tendon_through_sites_and_a_pulley_differentiates():
     with pytest.raises(TypeError, match="_tendon_dot.*while loop"):
         jax.grad(lambda p: step(s0, p)["qvel"].sum())(step.initial_params())
 
-    wrapping = SPATIAL_TENDON.replace('<site name="w0" pos="0.3 0 0.1"/>', '<site name="w0" pos="0.3 0 0.1"/><geom '
-                                      'name="post" type="cylinder" size="0.03 0.1" pos="0.15 0 -0.1" zaxis="0 1 0" '
-                                      'contype="0" conaffinity="0"/>').replace(
-        '<site site="w0"/><site site="s0"/>', '<site site="w0"/><geom geom="post"/><site site="s0"/>')
-    mjm, mjd = start(wrapping, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
-    refusals = MujocoStep(mjm, mjd).reverse_refusals()
-    assert "tendons [0] wrap a geom" in refusals["mujoco_warp._src.smooth._spatial_tendon_wrap"]
+
+# The spatial tendon's first stretch (a world site to the upper link) over a geom: a cylinder across the plane of
+# motion, or a sphere, with a side site outside it (the wrap's side chosen) or inside it (wrap_inside)
+WRAPS = {
+    "cylinder": ('<geom name="post" type="cylinder" size="0.04 0.1" pos="0.16 0 -0.03" zaxis="0 1 0"/>', ""),
+    "cylinder, the side site's way": (
+        '<geom name="post" type="cylinder" size="0.04 0.1" pos="0.16 0 -0.03" zaxis="0 1 0"/>', "0.1 0 0.05"),
+    "sphere, a side site": ('<geom name="post" type="sphere" size="0.04" pos="0.16 0 -0.03"/>', "0.22 0 -0.1"),
+    "sphere, a side site inside": ('<geom name="post" type="sphere" size="0.04" pos="0.2 0 -0.07"/>',
+                                   "0.205 0 -0.075"),
+}
+
+
+@pytest.mark.slow  # (a traced model each, ~30 s of a 2-core CPU)
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_a_spatial_tendon_wrapping_a_geom_differentiates(wrap):
+    """A spatial tendon over a sphere or a cylinder: its length and Jacobian (``smooth._spatial_geom_tendon``, which
+    walks bodies in a while loop and skips exactly-zero Jacobian terms; ``util_misc.wrap``'s Newton iteration for a
+    side site inside the geom is a while loop too) and its path's points (which shift where a stretch wraps) are
+    computed by rules (warpnn_models.mujoco._tendon_geom_rule, _tendon_path_rule). The stretch wraps through all 10
+    steps (two more path points than without the geom, in mj_step); 10 steps equal mujoco_warp's; gradients of the
+    state and of the tendon's sensors through 1 and 10 steps match central differences of mj_step (1e-3)."""
+    geom, side = WRAPS[wrap]
+    geom = geom.replace("/>", ' contype="0" conaffinity="0"/>') + (f'<site name="side" pos="{side}"/>' if side else "")
+    sidesite = ' sidesite="side"' if side else ""
+    xml = SPATIAL_TENDON.replace('<site name="w0" pos="0.3 0 0.1"/>', '<site name="w0" pos="0.3 0 0.1"/>' + geom).replace(
+        '<site site="w0"/><site site="s0"/>', f'<site site="w0"/><geom geom="post"{sidesite}/><site site="s0"/>')
+    mjm, mjd = start(xml, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    mjd.ctrl[:] = [0.4, -0.3]
+    straight = start(SPATIAL_TENDON, qpos=[0.3, -0.5])[1]
+    rolled = copy.copy(mjd)
+    for _ in range(10):
+        mujoco.mj_step(mjm, rolled)
+        assert rolled.ten_wrapnum[0] == straight.ten_wrapnum[0] + 2  # (the geom's two points: it wraps)
+    step = MujocoStep(mjm, mjd, param_fields=TENDON_PARAMS)
+    assert step.reverse_refusals() == {}
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
+    for steps in (1, 10):
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), TENDON_PARAMS)
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.array([1.0, -0.5]), TENDON_PARAMS, sensors=True)
 
 
 LINKAGE = """
@@ -1941,6 +1973,102 @@ def test_the_contact_impedance_equals_mujoco_warps(refsafe):
                                                        jnp.asarray(distance, jnp.float32), timestep, refsafe)], 1)
     np.testing.assert_allclose(got, out.numpy(), rtol=2e-5, atol=1e-6)
     assert len(np.unique(np.round(got[:, 2], 4))) > 100  # (the impedance curve, not its ends only)
+
+
+@wp.kernel
+def _wrap_by_mujoco_warp(x0: wp.array(dtype=wp.vec3), x1: wp.array(dtype=wp.vec3), pos: wp.array(dtype=wp.vec3),
+                         mat: wp.array(dtype=wp.mat33), radius: wp.array(dtype=float), kind: wp.array(dtype=int),
+                         side: wp.array(dtype=wp.vec3), out: wp.array2d(dtype=wp.vec3)):
+    i = wp.tid()
+    length, point0, point1 = mjw_util_misc.wrap(x0[i], x1[i], pos[i], mat[i], radius[i], kind[i], side[i])
+    out[i, 0] = wp.vec3(length, 0.0, 0.0)
+    out[i, 1] = point0
+    out[i, 2] = point1
+
+
+def _wrap_cases(n, rng):
+    """Tendon stretches around spheres and cylinders of random sizes and orientations: ends outside the geom, no
+    side site, one outside, one inside (``wrap_inside``), every fourth."""
+    def away(scale):  # (points 1.2 to 4 radii from the centre, each in its own direction)
+        direction = rng.standard_normal((n, 3))
+        return direction / np.linalg.norm(direction, axis=1, keepdims=True) * scale[:, None]
+
+    radius = rng.uniform(0.05, 0.3, n)
+    pos = rng.uniform(-0.5, 0.5, (n, 3))
+    mat = np.stack([np.linalg.qr(rng.standard_normal((3, 3)))[0] for _ in range(n)])
+    x0, x1 = (pos + away(radius * rng.uniform(1.2, 4.0, n)) for _ in range(2))
+    side = np.where((np.arange(n) % 4 == 1)[:, None], pos + away(radius * rng.uniform(1.2, 3.0, n)),
+                    np.where((np.arange(n) % 4 == 2)[:, None], pos + away(radius * rng.uniform(0.1, 0.8, n)),
+                             mjw_types.MJ_MAXVAL))
+    cylinder = rng.random(n) < 0.5
+    return x0, x1, pos, mat, radius, cylinder, side
+
+
+def test_the_tendon_wrap_equals_mujoco_warps():
+    """``_tendon_wrap.wrap`` (the geom tendons' rule's wrap around a sphere or cylinder, in JAX) against mujoco_warp's
+    ``util_misc.wrap`` run by Warp: lengths and the points where the tendon meets the geom, over random stretches,
+    spheres and cylinders, no side site, one outside and one inside (Newton's iteration of ``wrap_inside``)."""
+    from warpnn_models._tendon_wrap import wrap
+
+    rng = np.random.default_rng(0)
+    n = 800
+    x0, x1, pos, mat, radius, cylinder, side = _wrap_cases(n, rng)
+    kind = np.where(cylinder, int(mjw_types.WrapType.CYLINDER), int(mjw_types.WrapType.SPHERE))
+    out = wp.zeros((n, 3), dtype=wp.vec3, device="cpu")
+    vec3 = lambda a: wp.array(a.astype(np.float32), dtype=wp.vec3, device="cpu")  # noqa: E731
+    wp.launch(_wrap_by_mujoco_warp, n, device="cpu", inputs=[
+        vec3(x0), vec3(x1), vec3(pos), wp.array(mat.astype(np.float32), dtype=wp.mat33, device="cpu"),
+        wp.array(radius.astype(np.float32), dtype=float, device="cpu"), wp.array(kind, dtype=int, device="cpu"),
+        vec3(side), out])
+    want = out.numpy()
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    has_side = jnp.asarray(side[:, 0] < mjw_types.MJ_MAXVAL)
+    got = jax.jit(wrap)(f32(x0), f32(x1), f32(pos), f32(mat), f32(radius), jnp.asarray(cylinder), f32(side),
+                        has_side)
+    wrapped = want[:, 0, 0] >= 0.0
+    np.testing.assert_array_equal(np.asarray(got[0]) >= 0.0, wrapped)
+    np.testing.assert_allclose(got[0], want[:, 0, 0], rtol=1e-4, atol=1e-5)
+    for k in (1, 2):
+        np.testing.assert_allclose(np.asarray(got[k])[wrapped], want[wrapped, k], rtol=1e-4, atol=1e-5)
+    inside = np.asarray(has_side) & (np.linalg.norm(side - pos, axis=1) < radius)
+    for kinds in (~inside & ~np.asarray(has_side), ~inside & np.asarray(has_side), inside):  # (each branch wraps)
+        assert (wrapped & kinds & cylinder).sum() > 10 and (wrapped & kinds & ~cylinder).sum() > 10
+
+
+@pytest.mark.slow  # (~7 s: XLA compiles the wrap's reverse mode)
+def test_the_tendon_wraps_derivatives_match_central_differences():
+    """``_tendon_wrap.wrap``'s derivatives (the length and both points, with respect to the ends, the geom's position
+    and radius and the side site) through every branch taken, ``wrap_inside``'s by the implicit function theorem at
+    the root Newton's method found, against central differences in float64, along random directions."""
+    from warpnn_models._tendon_wrap import wrap
+
+    rng = np.random.default_rng(0)
+    x0, x1, pos, mat, radius, cylinder, side = _wrap_cases(800, rng)
+    has_side = jnp.asarray(side[:, 0] < mjw_types.MJ_MAXVAL)
+    with jax.enable_x64(True):
+        wrapped = np.asarray(jax.jit(wrap)(*(jnp.asarray(a) for a in (x0, x1, pos, mat, radius)),
+                                           jnp.asarray(cylinder), jnp.asarray(side), has_side)[0]) >= 0.0
+        every = np.flatnonzero(wrapped)[:96]
+        args = [jnp.asarray(a[every], jnp.float64) for a in (x0, x1, pos, mat, radius, side)]
+        weights = jnp.asarray(rng.standard_normal((3, len(every), 3)))
+
+        def loss(x0, x1, pos, mat, radius, side):
+            length, point0, point1 = wrap(x0, x1, pos, mat, radius, jnp.asarray(cylinder[every]), side,
+                                          has_side[every])
+            return jnp.sum(length * weights[0, :, 0]) + jnp.sum(point0 * weights[1]) + jnp.sum(point1 * weights[2])
+
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5)))(*args)
+        loss = jax.jit(loss)
+        for i, grad in zip((0, 1, 2, 4, 5), grads):
+            assert np.isfinite(grad).all()
+            for _ in range(3):  # (along random directions: central differences of the same function)
+                direction = jnp.asarray(rng.standard_normal(args[i].shape))
+                if i == 5:
+                    direction = jnp.where(has_side[every][:, None], direction, 0.0)
+                eps = 1e-5
+                plus = loss(*[a + eps * direction if j == i else a for j, a in enumerate(args)])
+                minus = loss(*[a - eps * direction if j == i else a for j, a in enumerate(args)])
+                assert_close(jnp.sum(grad * direction), (plus - minus) / (2 * eps), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["Cholesky", "LU"])
