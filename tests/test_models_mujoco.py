@@ -1108,6 +1108,36 @@ def test_a_spatial_tendon_wrapping_a_geom_differentiates(wrap):
         assert_gradients_match_mj_step(step, mjm, mjd, steps, np.array([1.0, -0.5]), TENDON_PARAMS, sensors=True)
 
 
+
+@pytest.mark.slow  # (a traced model each, ~30 s of a 2-core CPU)
+@pytest.mark.parametrize("name", ["wrap.xml", "pulley_wrap.xml"])
+def test_mujoco_warps_wrapping_tendon_models_differentiate(name):
+    """mujoco_warp's own test models of tendons over spheres and cylinders (``test_data/tendon``: three spatial
+    tendons from world sites over a sphere and a cylinder to two sliding bodies, after sites, before a site, with
+    pulleys in the second model), given springs and dampers (their tendons have none) and with contacts off (their
+    cylinders collide by GJK, refused): every stretch wraps; 10 steps equal mujoco_warp's; gradients through 1 and
+    10 steps w.r.t. the initial velocity, the tendons' coefficients and the masses match mj_step's central
+    differences (with MuJoCo's cached masses of simple bodies cleared in the reference)."""
+    import os
+
+    mjm = mujoco.MjModel.from_xml_path(os.path.join(os.path.dirname(mjw.__file__), "test_data", "tendon", name))
+    mjm.opt.disableflags |= mujoco.mjtDisableBit.mjDSBL_CONTACT
+    mjm.tendon_stiffness[:], mjm.tendon_damping[:] = 3.0, 0.5
+    mjm.body_simple[:], mjm.dof_simplenum[:] = 0, 0
+    mjd = mujoco.MjData(mjm)
+    mujoco.mj_resetDataKeyframe(mjm, mjd, 0)
+    mjd.qvel[:] = [0.3, -0.4]
+    mujoco.mj_forward(mjm, mjd)
+    mjm.tendon_lengthspring[:] = mjd.ten_length[:, None] - 0.2  # (each spring stretched)
+    straight = np.array([2, 3, 3]) + (name == "pulley_wrap.xml") * np.array([1, 0, 1])  # (path points, no wrap)
+    np.testing.assert_array_equal(mjd.ten_wrapnum, straight + 2)  # (each stretch wraps: the geom's two points)
+    fields = ("tendon_stiffness", "tendon_damping", "tendon_lengthspring", "body_mass")
+    step = MujocoStep(mjm, mjd, param_fields=fields)
+    assert step.reverse_refusals() == {}
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
+    for steps in (1, 10):
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), fields)
+
 LINKAGE = """
 <mujoco>
   <option timestep="0.005"><flag contact="disable"/></option>
