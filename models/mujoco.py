@@ -29,7 +29,7 @@ step of mujoco_warp's humanoid (<= 4e-5), and through the cart-pole's active lim
 adjoint gets right are differentiated by rules (:func:`_stage_rules`, ``warpnn.StageRule``): the inertia solve, the
 constraint solver (its optimality conditions at the solution), the primitive narrowphase and the contact Jacobian
 (recomputed in JAX), tree walks over branches that share bodies, joints' and tendons' springs and dampers (right
-where mujoco_warp skips a zero coefficient), the position sensors but geom distances (:func:`_sensor_pos_rule`),
+where mujoco_warp skips a zero coefficient), the position sensors (:func:`_sensor_pos_rule`),
 the kinetic energy, the position update (its quaternion integration, right at zero angular velocity), the velocity
 derivative ``implicitfast`` solves with (:func:`_velocity_derivative_rule`), the ``implicit`` integrator's Coriolis
 derivative and LU solve (:func:`_implicit_rules`), spatial tendons through sites (:func:`_tendon_site_rules`); the
@@ -1307,9 +1307,10 @@ def _sensor_pos_rule(m) -> list:
     quaternion (of a body's inertial frame, a body, a geom, a site or a camera, in the world or in another such
     frame), a subtree's centre of mass, the clock, a magnetometer (the field in a site's frame), a camera's projection
     of a site (pixels), an inside-site test (0 or 1: piecewise constant, so its derivative is 0), the energies as
-    the energy stage left them; each clamped by its ``cutoff`` (``[-cutoff, cutoff]``, or ``<= cutoff`` for positive
-    data). A model with another kind (geom distances, normals and from-to segments, which come from the collision
-    stage) gets the rule's refusal naming them.
+    the energy stage left them, the geom distances, normals and from-to segments (the nearest of the collision
+    stage's points for the sensor's geom pairs: :func:`_geom_distance`); each clamped by its ``cutoff``
+    (``[-cutoff, cutoff]``, or ``<= cutoff`` for positive data; a from-to segment is not). A model with another
+    kind gets the rule's refusal naming it.
     """
     import numpy as np
     from mujoco_warp._src import sensor, types
@@ -1325,9 +1326,12 @@ def _sensor_pos_rule(m) -> list:
     kind, objtype, objid, reftype, refid, adr, datatype, qposadr = (host(a) for a in (
         m.sensor_type, m.sensor_objtype, m.sensor_objid, m.sensor_reftype, m.sensor_refid, m.sensor_adr,
         m.sensor_datatype, m.jnt_qposadr))
-    covered = {int(k) for k in (S.JOINTPOS, S.TENDONPOS, S.ACTUATORPOS, S.BALLQUAT, S.FRAMEPOS, S.FRAMEXAXIS,
-                                S.FRAMEYAXIS, S.FRAMEZAXIS, S.FRAMEQUAT, S.SUBTREECOM, S.CLOCK, S.MAGNETOMETER,
-                                S.CAMPROJECTION, S.INSIDESITE, S.E_POTENTIAL, S.E_KINETIC)}
+    collision_kinds = {int(S.GEOMDIST), int(S.GEOMNORMAL), int(S.GEOMFROMTO)}
+    covered = collision_kinds | {int(k) for k in (
+        S.JOINTPOS, S.TENDONPOS, S.ACTUATORPOS, S.BALLQUAT, S.FRAMEPOS, S.FRAMEXAXIS, S.FRAMEYAXIS, S.FRAMEZAXIS,
+        S.FRAMEQUAT, S.SUBTREECOM, S.CLOCK, S.MAGNETOMETER, S.CAMPROJECTION, S.INSIDESITE, S.E_POTENTIAL,
+        S.E_KINETIC)}
+    collisions = _sensor_collision_entries(m, [i for i in ids if int(kind[i]) in collision_kinds])
     site_type, cam_resolution = host(m.site_type), host(m.cam_resolution).reshape(-1, 2)
     # (_get_quat: a frame's orientation is its body's times its own, but for a body's own frame, XBODY)
     local_quats = {int(O.BODY): ("body_iquat", None), int(O.GEOM): ("geom_quat", host(m.geom_bodyid)),
@@ -1384,6 +1388,8 @@ def _sensor_pos_rule(m) -> list:
             elif k == int(S.INSIDESITE):
                 value = _inside_site(before, out.shape[0], int(objtype[i]), obj, int(refid[i]),
                                      int(site_type[int(refid[i])]))
+            elif k in collision_kinds:
+                value = _geom_distance(before["sensor_collision_in"], cutoff[i], k, *collisions[int(i)])
             elif k == int(S.FRAMEQUAT):  # (quat_inv(ref) * quat)
                 value = orientation(objtype[i], obj)
                 if refid[i] >= 0:
@@ -1400,7 +1406,9 @@ def _sensor_pos_rule(m) -> list:
                     value = jnp.einsum("wji,wj->wi", frame(1, reftype[i], int(refid[i])), value,
                                        precision=jax.lax.Precision.HIGHEST)
             c = cutoff[i]
-            if datatype[i] == int(types.DataType.REAL):
+            if k == int(S.GEOMFROMTO):  # (a segment's ends: not clamped)
+                pass
+            elif datatype[i] == int(types.DataType.REAL):
                 value = jnp.where(c > 0, jnp.clip(value, -c, c), value)
             elif datatype[i] == int(types.DataType.POSITIVE):
                 value = jnp.where(c > 0, jnp.minimum(value, c), value)
@@ -1412,13 +1420,69 @@ def _sensor_pos_rule(m) -> list:
               "cam_xmat_in", "xquat_in", "body_iquat", "geom_quat", "site_quat", "cam_quat", "sensor_cutoff",
               "opt_magnetic", "body_mass", "body_subtreemass", "site_size", "cam_fovy", "cam_sensorsize",
               "cam_intrinsic", "energy_in", "sensordata_out")
+    # (the geom distances' input: read where the model has them)
+    floats += ("sensor_collision_in",) * bool(collisions)
     return [warpnn.StageRule(
         sensor, "_sensor_pos", rule, per_launch=True,
         reads=lambda **a: {n: a[n] for n in floats},
         writes=lambda sensordata_out, **_: {"sensordata_out": sensordata_out},
-        # (the geom distances' input, which a model with them gets refused)
-        ignores=lambda sensor_collision_in, **_: {"sensor_collision_in": sensor_collision_in},
+        ignores=lambda sensor_collision_in, **_: {} if collisions else {"sensor_collision_in": sensor_collision_in},
     )]
+
+
+def _sensor_collision_entries(m, sensors) -> dict:
+    """For each geom distance, normal or from-to sensor in ``sensors``: the rows of ``sensor_collision`` (the
+    collision stage's nearest points, 8 per geom pair) it reads, one per pair of its geoms (a body's geoms, or a
+    geom), and whether each pair's normal points from the sensor's second geom to its first (``_sensor_pos``'s
+    ``flip``: the collision functions order a pair by geom type, then by id)."""
+    import numpy as np
+    from mujoco_warp._src import types
+
+    geom_type, geomadr, geomnum, objtype, objid, reftype, refid = (np.asarray(a.numpy()) for a in (
+        m.geom_type, m.body_geomadr, m.body_geomnum, m.sensor_objtype, m.sensor_objid, m.sensor_reftype,
+        m.sensor_refid))
+    nxn = np.asarray(m.nxn_pairid.numpy()).reshape(-1, 2)
+
+    def geoms(typ, obj):
+        return range(geomadr[obj], geomadr[obj] + geomnum[obj]) if typ == int(types.ObjType.BODY) else [obj]
+
+    entries = {}
+    for i in sensors:
+        rows, flips = [], []
+        for g1 in geoms(objtype[i], objid[i]):
+            for g2 in geoms(reftype[i], refid[i]):
+                lo, hi = min(g1, g2), max(g1, g2)
+                rows.append(nxn[(lo * (2 * m.ngeom - lo - 3)) // 2 + hi - 1, 1])  # (math.upper_tri_index)
+                flips.append(geom_type[g1] > geom_type[g2] or (geom_type[g1] == geom_type[g2] and g1 > g2))
+        entries[int(i)] = (np.array(rows, np.int32), np.repeat(np.array(flips, bool), 8))
+    return entries
+
+
+def _geom_distance(collision, cutoff, kind, rows, flips):
+    """``_sensor_pos``'s geom distance, normal or from-to segment (``(world, 1, 3 or 6)``): the nearest of the
+    collision stage's points for the sensor's geom pairs (``collision``: ``(world, ncollision, 8, 7)``, distance,
+    position, normal; ``1e32`` where there is none) below ``cutoff``, the first where several are nearest, as the
+    kernel's strict comparison keeps; the normal turned to point from the first geom to the second."""
+    from mujoco_warp._src import types
+
+    nworld = collision.shape[0]
+    points = collision[:, rows].reshape(nworld, -1, 7)  # (world, pair x 8, 7)
+    distances = jnp.concatenate([jnp.broadcast_to(cutoff, (nworld, 1)).astype(points.dtype), points[..., 0]], 1)
+    best = jnp.argmin(distances, axis=1)  # (0: none below the cutoff)
+    dist = jnp.take_along_axis(distances, best[:, None], 1)[:, 0]
+    found = best > 0
+    nearest = jnp.take_along_axis(points, jnp.maximum(best - 1, 0)[:, None, None], 1)[:, 0]
+    pos = jnp.where(found[:, None], nearest[:, 1:4], 0.0)
+    normal = jnp.where(found[:, None], nearest[:, 4:7], 0.0)
+    flip = found & jnp.asarray(flips)[jnp.maximum(best - 1, 0)]
+    segment = jnp.where(((dist >= cutoff) | (dist == 0.0))[:, None], 0.0,
+                        jnp.where((flip != (dist < 0.0))[:, None], -normal, normal))
+    if kind == int(types.SensorType.GEOMDIST):
+        return dist[:, None]
+    if kind == int(types.SensorType.GEOMNORMAL):
+        return segment
+    half = 0.5 * jnp.abs(dist)[:, None] * segment
+    return jnp.where((dist < cutoff)[:, None], jnp.concatenate([pos - half, pos + half], 1), 0.0)
 
 
 def _kinetic_energy_rule():
@@ -1983,7 +2047,8 @@ def _capsule_box_segment(p, axis, half, size):
 
 def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid, _launch):
     """Two spheres of the capsule's radius on its axis, each against the box as ``sphere_box`` (``cid`` 1: the
-    second, where ``capsule_box`` makes one). A contact the kernel does not make has distance ``MJ_MAXVAL``."""
+    second, where ``capsule_box`` makes one). A contact the kernel does not make has distance ``MJ_MAXVAL`` and a
+    zero position and frame (a geom-distance sensor's pair writes it, and reads its distance)."""
     from mujoco_warp._src.types import MJ_MAXVAL
 
     p, axis = _matvec_transposed(rot2, pos1 - pos2), _matvec_transposed(rot2, rot1[:, :, 2])
@@ -1992,7 +2057,9 @@ def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid, _launch):
     twice = cid == 1
     centre = pos2 + _matvec(rot2, p + h * (first + jnp.where(twice, second, 0.0))[:, None])
     dist, pos, frame = _sphere_box(centre, None, size1, pos2, rot2, size2, cid, _launch)
-    return jnp.where(any_contact & ~(twice & (second <= -3)), dist, MJ_MAXVAL), pos, frame
+    made = any_contact & ~(twice & (second <= -3))
+    return (jnp.where(made, dist, MJ_MAXVAL), jnp.where(made[:, None], pos, 0.0),
+            jnp.where(made[:, None, None], frame, 0.0))
 
 
 def _box_box_axis(rot, pos21, pos12, size1, size2, septol):

@@ -1427,7 +1427,7 @@ SENSORS = ARM.replace('<motor joint="shoulder" gear="1"/>', '<motor name="m0" jo
     '<accelerometer site="tip"/><gyro site="tip"/><velocimeter site="tip"/></sensor>')
 
 
-@pytest.mark.slow  # (four traced models, ~80 s of a 2-core CPU)
+@pytest.mark.slow  # (three traced models, ~60 s of a 2-core CPU)
 def test_sensors_step_as_mujoco_warps_and_differentiate():
     """``sensor._sensor_pos`` computes every position sensor kind in one kernel whose geom-distance branch carries
     the nearest distance through a loop Warp's adjoint does not run again (refused whole); its rule
@@ -1435,8 +1435,7 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
     gradient of a loss on it through 1 and 10 steps w.r.t. the controls, the initial velocity, damping and masses
     matches central differences of mj_step (1e-3 relative; measured <= 1.1e-5 through 1 step, 2026-12-07, CPU);
     so through 2 steps do a ball joint's quaternion, a free body's position, a geom's axis in a body's frame and a
-    subtree's centre of mass and a geom's orientation on the turned tree, and a tendon's length. A kind the rule does
-    not cover (a geom distance) is refused naming it, never a silent gradient."""
+    subtree's centre of mass and a geom's orientation on the turned tree, and a tendon's length."""
     mjm, mjd = start(SENSORS, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     mjd.ctrl[:] = [0.3, -0.2]
     mujoco.mj_forward(mjm, mjd)
@@ -1465,17 +1464,47 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
         assert_gradients_match_mj_step(step, mjm, mjd, 2, np.linspace(-1.0, 1.0, mjm.nsensordata), ("dof_damping",),
                                        sensors=True)
 
-    # a geom distance (the collision stage's) is refused
-    named = SENSORS.replace('<geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.05"',
-                            '<geom name="g0" type="capsule" fromto="0 0 0 0.5 0 0" size="0.05"').replace(
-        '<geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.04"',
-        '<geom name="g1" type="capsule" fromto="0 0 0 0.5 0 0" size="0.04"')
-    mjm, mjd = start(named.replace("<clock/>", '<distance geom1="g0" geom2="g1"/>'))
-    step = MujocoStep(mjm, mjd)
-    assert "GEOMDIST" in step.reverse_refusals()["mujoco_warp._src.sensor._sensor_pos"]
-    state = step.initial_state()
-    with pytest.raises(TypeError, match="_sensor_pos.*GEOMDIST"):
-        jax.grad(lambda qpos: jnp.sum(step({**state, "qpos": qpos})["sensordata"]))(state["qpos"])
+
+
+# SENSORS with contacts on (mujoco_warp computes geom distances in its collision stage, skipped where contacts are
+# off: its distances are then the cutoff, where MuJoCo's are not), a sphere and a box in the world that nothing
+# collides with, and the forearm's distance to the sphere (and the normal and segment between them, the sphere
+# first for the normal), and to the world body's nearest geom (the sphere or the box: a capsule-box pair).
+DISTANCES = SENSORS.replace('contact="disable"', 'contact="enable"').replace(
+    '<geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.04"',
+    '<geom name="fore" type="capsule" fromto="0 0 0 0.5 0 0" size="0.04"').replace(
+    "<worldbody>", '<worldbody><geom name="post" type="sphere" pos="0.9 0 -0.45" size="0.1" contype="0" '
+    'conaffinity="0"/><geom type="box" pos="0.2 0 -0.6" size="0.1 0.1 0.1" contype="0" conaffinity="0"/>').replace(
+    "<clock/>", '<distance geom1="fore" geom2="post" cutoff="1"/><normal geom1="post" geom2="fore" cutoff="1"/>'
+    '<fromto geom1="fore" geom2="post" cutoff="1"/><distance body1="fore" body2="world" cutoff="2"/>')
+
+
+@pytest.mark.slow  # (two traced models, ~60 s of a 2-core CPU)
+def test_geom_distance_sensors_differentiate():
+    """Geom distance, normal and from-to sensors read the collision stage's nearest points for their geom pairs
+    (contacts of type SENSOR, every candidate a pair's collision function makes, made or not); ``_sensor_pos``'s
+    rule takes the nearest below the cutoff (``_geom_distance``), the narrowphase's rule computes the points.
+    ``sensordata`` steps as mujoco_warp's through 10 steps; gradients through 1 and 10 steps w.r.t. the controls,
+    the initial velocity, damping and masses match mj_step's central differences (1e-3). A pair the contact rules
+    do not cover (a capsule and a cylinder: GJK) is refused naming the stage."""
+    mjm, mjd = start(DISTANCES, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
+    mjd.ctrl[:] = [0.3, -0.2]
+    mujoco.mj_forward(mjm, mjd)
+    kinds = [mujoco.mjtSensor(t) for t in mjm.sensor_type]
+    first = mjm.sensor_adr[kinds.index(mujoco.mjtSensor.mjSENS_GEOMDIST)]
+    assert 0.0 < mjd.sensordata[first] < 1.0  # (the forearm within the cutoff of the sphere)
+    step = MujocoStep(mjm, mjd, param_fields=("dof_damping", "body_mass"))
+    assert step.reverse_refusals() == {}
+    assert_sensordata_equals_mujoco_warps(step, mjm, mjd, 10, rtol=2e-6)
+    for steps in (1, 10):
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nsensordata),
+                                       ("dof_damping", "body_mass"), sensors=True)
+
+    cylinder = DISTANCES.replace('type="sphere" pos="0.9 0 -0.45" size="0.1"', 'type="cylinder" pos="0.9 0 -0.45" '
+                                 'size="0.1 0.1"')
+    mjm, mjd = start(cylinder, qpos=[0.3, -0.5])
+    refusals = MujocoStep(mjm, mjd).reverse_refusals()
+    assert any("convex" in stage for stage in refusals), refusals
 
 
 # SENSORS with a magnetic field, two cameras (one by its field of view, one by its sensor size and focal length), a
