@@ -1767,8 +1767,9 @@ def _plane_capsule_frame(n, axis):
 
 def _segment_weights(a, b, c, d, pair):
     """mujoco_warp's ``_segment_weights`` (MuJoCo's ``mjc_segWeights``): weights ``(s, t)`` of the closest points
-    ``a + s (b - a)`` and ``c + t (d - c)``; ``pair`` 1 is the second pair of parallel segments. Each branch as the
-    kernel takes it, divisions guarded so the branches not taken leave no NaN in the derivative."""
+    ``a + s (b - a)`` and ``c + t (d - c)``, and whether there are two such pairs (parallel segments); ``pair`` 1 is
+    the second pair. Each branch as the kernel takes it, divisions guarded so the branches not taken leave no NaN
+    in the derivative."""
     from mujoco_warp._src.types import MJ_MINVAL
 
     ab, cd, ca = b - a, d - c, a - c
@@ -1796,7 +1797,7 @@ def _segment_weights(a, b, c, d, pair):
             point1, (zero, jnp.clip(_safe_divide(dot3, dot2, ~point2), 0, 1))[k],
             jnp.where(point2, (jnp.clip(_safe_divide(-dot4, dot1, ~point1), 0, 1), zero)[k], w)))
         weights.append(w[:, None])
-    return weights[0], weights[1]
+    return weights[0], weights[1], ~point1 & ~point2 & ~crossing
 
 
 # The primitive collisions of mujoco_warp's narrowphase (collision_primitive_core), in JAX, one function per geom
@@ -1924,14 +1925,18 @@ def _sphere_box(pos1, _, size1, pos2, rot2, size2, __, _launch):
 
 
 def _capsule_capsule(pos1, rot1, size1, pos2, rot2, size2, cid, _launch):
-    """The closest points of the two axes (``cid`` 1: the second pair of parallel capsules)."""
+    """The closest points of the two axes (``cid`` 1: the second pair of parallel capsules; where the axes are not
+    parallel the kernel makes no second contact: distance infinite, position and frame zero, which a geom-distance
+    sensor's pair writes)."""
     axis1, axis2 = rot1[:, :, 2], rot2[:, :, 2]
     half1, half2 = size1[:, 1:2], size2[:, 1:2]
-    s, t = _segment_weights(pos1 - axis1 * half1, pos1 + axis1 * half1, pos2 - axis2 * half2, pos2 + axis2 * half2,
-                            cid)
+    s, t, parallel = _segment_weights(pos1 - axis1 * half1, pos1 + axis1 * half1, pos2 - axis2 * half2,
+                                      pos2 + axis2 * half2, cid)
     dist, pos, normal = _sphere_sphere(pos1 + axis1 * half1 * (2 * s - 1), size1[:, 0],
                                        pos2 + axis2 * half2 * (2 * t - 1), size2[:, 0])
-    return dist, pos, _make_frame(normal)
+    made = (cid != 1) | parallel
+    return (jnp.where(made, dist, jnp.inf), jnp.where(made[:, None], pos, 0.0),
+            jnp.where(made[:, None, None], _make_frame(normal), 0.0))
 
 
 def _mj_safe_div(x, y):

@@ -1467,16 +1467,24 @@ def test_sensors_step_as_mujoco_warps_and_differentiate():
 
 
 # SENSORS with contacts on (mujoco_warp computes geom distances in its collision stage, skipped where contacts are
-# off: its distances are then the cutoff, where MuJoCo's are not), a sphere and a box in the world that nothing
-# collides with, and the forearm's distance to the sphere (and the normal and segment between them, the sphere
-# first for the normal), and to the world body's nearest geom (the sphere or the box: a capsule-box pair).
+# off: its distances are then the cutoff, where MuJoCo's are not), a sphere, a box, a floor and a rod in the world
+# that nothing collides with, a ball at the forearm's tip, and the forearm's distance to the sphere (and the normal
+# and segment between them, the sphere first for the normal), to the floor and (a segment) to the rod, the ball's
+# to the box, and the nearest of the forearm body's to the world body's geoms: every pair kind the contact rules
+# cover but two boxes (sphere or capsule against a sphere, capsule, box and plane).
 DISTANCES = SENSORS.replace('contact="disable"', 'contact="enable"').replace(
-    '<geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.04"',
-    '<geom name="fore" type="capsule" fromto="0 0 0 0.5 0 0" size="0.04"').replace(
+    '<geom type="capsule" fromto="0 0 0 0.5 0 0" size="0.04" mass="0.5"/>',
+    '<geom name="fore" type="capsule" fromto="0 0 0 0.5 0 0" size="0.04" mass="0.5"/><geom name="ball" '
+    'type="sphere" pos="0.5 0 0" size="0.03" mass="0.01"/>').replace(
     "<worldbody>", '<worldbody><geom name="post" type="sphere" pos="0.9 0 -0.45" size="0.1" contype="0" '
-    'conaffinity="0"/><geom type="box" pos="0.2 0 -0.6" size="0.1 0.1 0.1" contype="0" conaffinity="0"/>').replace(
+    'conaffinity="0"/><geom name="block" type="box" pos="0.2 0 -0.6" size="0.1 0.1 0.1" contype="0" '
+    'conaffinity="0"/><geom name="floor" type="plane" pos="0 0 -1.2" size="2 2 0.1" contype="0" conaffinity="0"/>'
+    '<geom name="rod" type="capsule" fromto="0.6 0.2 -0.8 1.0 0.2 -0.8" size="0.05" contype="0" '
+    'conaffinity="0"/>').replace(
     "<clock/>", '<distance geom1="fore" geom2="post" cutoff="1"/><normal geom1="post" geom2="fore" cutoff="1"/>'
-    '<fromto geom1="fore" geom2="post" cutoff="1"/><distance body1="fore" body2="world" cutoff="2"/>')
+    '<fromto geom1="fore" geom2="post" cutoff="1"/><distance geom1="fore" geom2="floor" cutoff="3"/><fromto '
+    'geom1="fore" geom2="rod" cutoff="3"/><distance geom1="ball" geom2="block" cutoff="3"/><distance body1="fore" '
+    'body2="world" cutoff="2"/>')
 
 
 @pytest.mark.slow  # (two traced models, ~60 s of a 2-core CPU)
@@ -1486,7 +1494,8 @@ def test_geom_distance_sensors_differentiate():
     rule takes the nearest below the cutoff (``_geom_distance``), the narrowphase's rule computes the points.
     ``sensordata`` steps as mujoco_warp's through 10 steps; gradients through 1 and 10 steps w.r.t. the controls,
     the initial velocity, damping and masses match mj_step's central differences (1e-3). A pair the contact rules
-    do not cover (a capsule and a cylinder: GJK) is refused naming the stage."""
+    do not cover (a capsule and a cylinder: GJK) is refused naming the stage. (A capsule-capsule pair writes an
+    infinite distance for the second, unmade, contact: the trace-time check takes equal infinities as equal.)"""
     mjm, mjd = start(DISTANCES, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     mjd.ctrl[:] = [0.3, -0.2]
     mujoco.mj_forward(mjm, mjd)

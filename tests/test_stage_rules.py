@@ -179,6 +179,20 @@ def test_a_rule_that_does_not_reproduce_the_launches_is_refused():
         jax.grad(lambda A: jnp.sum(program({"A": A, "b": b})["x"]))(A)
 
 
+def test_the_check_takes_equal_infinities_as_equal_and_refuses_any_other_mismatch():
+    """A kernel may write an infinity (mujoco_warp's "no contact" distance): a rule writing the same infinity
+    reproduces it; an infinity against a finite value, the other infinity or a NaN does not."""
+    from warpnn._stage_rules import check
+
+    before = {"A": np.eye(2, dtype=np.float32), "b": np.ones(2, np.float32)}
+    want = np.array([1.5, np.inf], np.float32)
+    for written, agrees in (([1.5, np.inf], True), ([1.5, 3.0], False), ([1.5, -np.inf], False),
+                            ([1.5, np.nan], False), ([1.6, np.inf], False)):
+        why = check(rule(rule=lambda before, after, w=written: {"x": jnp.asarray(w, jnp.float32)}), before,
+                    {"x": want}, ["x"])
+        assert (why is None) == agrees, (written, why)
+
+
 def test_a_rule_that_reads_a_value_in_python_is_checked_all_the_same():
     """The check at trace time runs a rule jitted; one that needs concrete values (a Python branch on them) runs
     eagerly instead, and is checked alike: right, it is taken; wrong, refused."""

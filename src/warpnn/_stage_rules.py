@@ -159,8 +159,12 @@ def check(rule: StageRule, before: Mapping[str, np.ndarray], after: Mapping[str,
         got, want = np.asarray(computed[name]), after[name]
         if got.shape != want.shape:
             return f"its rule returned shape {got.shape} for '{name}', the array has shape {want.shape}"
-        scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
-        error = float(np.max(np.abs(got.astype(np.float64) - want), initial=0.0))
+        # (equal entries agree, infinities included: a kernel's "no contact" is an infinite distance; an infinity
+        # against a finite value, or a NaN, is an infinite or NaN error and refuses)
+        differ = got != want
+        scale = max(1.0, float(np.max(np.abs(want), where=np.isfinite(want), initial=0.0)))
+        with np.errstate(invalid="ignore"):  # (inf - inf where both agree: masked out)
+            error = float(np.max(np.abs(got.astype(np.float64) - want), where=differ, initial=0.0))
         if not error <= rule.rtol * scale:
             return (f"its rule does not reproduce the launches at trace time: '{name}' differs by {error:.3g} "
                     f"(largest magnitude {scale:.3g}, rtol {rule.rtol:g})")
