@@ -1139,8 +1139,8 @@ def _tendon_geom_rule(m) -> list:
     stretch_of, point_of, segment_of, dof_of, entry_of, sign_of = (
         np.array(c) for c in zip(*terms)) if terms else (np.zeros(0, int),) * 6
 
-    def direction(d):  # (the segment's unit vector, or x where it is shorter than MJ_MINVAL)
-        norm = jnp.linalg.norm(d, axis=-1)
+    def direction(d):  # (the segment's unit vector, or x where it is shorter than MJ_MINVAL; a derivative, not
+        norm = _safe_norm(d)[..., 0]  # NaN, at 0: a stretch that does not wrap has its geom points at its ends)
         short = norm < MJ_MINVAL
         return jnp.where(short[..., None], jnp.asarray([1.0, 0.0, 0.0], d.dtype),
                          d / jnp.where(short, 1.0, norm)[..., None]), norm

@@ -1037,6 +1037,18 @@ SPATIAL_TENDON = TENDON.replace('<worldbody>', '<worldbody><site name="w0" pos="
     'tendon="s" gear="2"/></actuator><sensor><tendonpos tendon="s"/><tendonvel tendon="s"/></sensor>')
 
 
+def assert_the_spatial_tendon_steps_and_differentiates(mjm, mjd):
+    """SPATIAL_TENDON (or a variant): nothing refused, 10 steps equal mujoco_warp's, gradients of the state and of
+    the tendon's sensors through 1 and 10 steps w.r.t. the controls, the initial velocity and TENDON_PARAMS within
+    1e-3 of mj_step's central differences."""
+    step = MujocoStep(mjm, mjd, param_fields=TENDON_PARAMS)
+    assert step.reverse_refusals() == {}
+    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
+    for steps in (1, 10):
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), TENDON_PARAMS)
+        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.array([1.0, -0.5]), TENDON_PARAMS, sensors=True)
+
+
 @pytest.mark.slow  # (three traced models, ~60 s of a 2-core CPU)
 def test_a_spatial_tendon_through_sites_and_a_pulley_differentiates():
     """A spatial tendon's length and Jacobian (``smooth._spatial_site_tendon``) and every tendon's velocity
@@ -1049,13 +1061,7 @@ def test_a_spatial_tendon_through_sites_and_a_pulley_differentiates():
     proves ``_tendon_dot``'s launch idle) is refused naming the kernel."""
     mjm, mjd = start(SPATIAL_TENDON, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
     mjd.ctrl[:] = [0.4, -0.3]
-    fields = ("tendon_stiffness", "tendon_damping", "tendon_lengthspring", "dof_damping", "actuator_gainprm")
-    step = MujocoStep(mjm, mjd, param_fields=fields)
-    assert step.reverse_refusals() == {}
-    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
-    for steps in (1, 10):
-        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), fields)
-        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.array([1.0, -0.5]), fields, sensors=True)
+    assert_the_spatial_tendon_steps_and_differentiates(mjm, mjd)
 
     armature = SPATIAL_TENDON.replace('<spatial name="s" ', '<spatial name="s" armature="0.05" ')
     mjm, mjd = start(armature, qpos=[0.3, -0.5], qvel=[0.5, -1.0])
@@ -1068,7 +1074,8 @@ def test_a_spatial_tendon_through_sites_and_a_pulley_differentiates():
 
 
 # The spatial tendon's first stretch (a world site to the upper link) over a geom: a cylinder across the plane of
-# motion, or a sphere, with a side site outside it (the wrap's side chosen) or inside it (wrap_inside)
+# motion, or a sphere, with a side site outside it (the wrap's side chosen) or inside it (wrap_inside); or a sphere
+# off the path (the stretch does not wrap: straight, its geom points at its ends)
 WRAPS = {
     "cylinder": ('<geom name="post" type="cylinder" size="0.04 0.1" pos="0.16 0 -0.03" zaxis="0 1 0"/>', ""),
     "cylinder, the side site's way": (
@@ -1076,6 +1083,7 @@ WRAPS = {
     "sphere, a side site": ('<geom name="post" type="sphere" size="0.04" pos="0.16 0 -0.03"/>', "0.22 0 -0.1"),
     "sphere, a side site inside": ('<geom name="post" type="sphere" size="0.04" pos="0.2 0 -0.07"/>',
                                    "0.205 0 -0.075"),
+    "sphere, off the path": ('<geom name="post" type="sphere" size="0.04" pos="0.3 0 -0.2"/>', ""),
 }
 
 
@@ -1086,8 +1094,9 @@ def test_a_spatial_tendon_wrapping_a_geom_differentiates(wrap):
     walks bodies in a while loop and skips exactly-zero Jacobian terms; ``util_misc.wrap``'s Newton iteration for a
     side site inside the geom is a while loop too) and its path's points (which shift where a stretch wraps) are
     computed by rules (warpnn_models.mujoco._tendon_geom_rule, _tendon_path_rule). The stretch wraps through all 10
-    steps (two more path points than without the geom, in mj_step); 10 steps equal mujoco_warp's; gradients of the
-    state and of the tendon's sensors through 1 and 10 steps match central differences of mj_step (1e-3)."""
+    steps (two more path points than without the geom, in mj_step), or, off the path, never (the rule's branch
+    where it does not wrap: its derivative was NaN before a safe norm); 10 steps equal mujoco_warp's; gradients of
+    the state and of the tendon's sensors through 1 and 10 steps match central differences of mj_step (1e-3)."""
     geom, side = WRAPS[wrap]
     geom = geom.replace("/>", ' contype="0" conaffinity="0"/>') + (f'<site name="side" pos="{side}"/>' if side else "")
     sidesite = ' sidesite="side"' if side else ""
@@ -1098,14 +1107,9 @@ def test_a_spatial_tendon_wrapping_a_geom_differentiates(wrap):
     straight = start(SPATIAL_TENDON, qpos=[0.3, -0.5])[1]
     rolled = copy.copy(mjd)
     for _ in range(10):
-        mujoco.mj_step(mjm, rolled)
-        assert rolled.ten_wrapnum[0] == straight.ten_wrapnum[0] + 2  # (the geom's two points: it wraps)
-    step = MujocoStep(mjm, mjd, param_fields=TENDON_PARAMS)
-    assert step.reverse_refusals() == {}
-    assert_ten_steps_equal_mujoco_warps(step, mjm, mjd)
-    for steps in (1, 10):
-        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.linspace(-1.0, 1.0, mjm.nq + mjm.nv), TENDON_PARAMS)
-        assert_gradients_match_mj_step(step, mjm, mjd, steps, np.array([1.0, -0.5]), TENDON_PARAMS, sensors=True)
+        mujoco.mj_step(mjm, rolled)  # (where it wraps, the geom's two points)
+        assert rolled.ten_wrapnum[0] == straight.ten_wrapnum[0] + 2 * ("off the path" not in wrap)
+    assert_the_spatial_tendon_steps_and_differentiates(mjm, mjd)
 
 
 
