@@ -2389,11 +2389,14 @@ def _contact_rules(m) -> list:
         # a written slot where the JAX took another branch than the launch did (a tie its rounding broke the other
         # way: which capsule end, which face of a box) would differentiate another contact than the one the step
         # made: its derivative is NaN (a factor of 1 elsewhere), never that other contact's
-        same = ~written
+        # (each of the three must agree: parallel capsules' two contacts share their distance and frame)
+        agree = jnp.ones(slot.size, bool)
         for name in ("contact_dist_out", "contact_pos_out", "contact_frame_out"):
-            difference = jnp.abs(computed[name] - after[name]).reshape(slot.size, -1).max(-1)
-            magnitude = jnp.maximum(1.0, jnp.abs(after[name]).reshape(slot.size, -1).max(-1))
-            same |= difference <= CONTACT_AGREEMENT * magnitude
+            equal = computed[name] == after[name]  # (infinities included: a pair's unmade contact)
+            difference = jnp.where(equal, 0.0, jnp.abs(computed[name] - after[name])).reshape(slot.size, -1)
+            magnitude = jnp.where(jnp.isfinite(after[name]), jnp.abs(after[name]), 0.0).reshape(slot.size, -1)
+            agree &= difference.max(-1) <= CONTACT_AGREEMENT * jnp.maximum(1.0, magnitude.max(-1))
+        same = ~written | agree
         for name in ("contact_dist_out", "contact_pos_out", "contact_frame_out"):
             factor = jnp.where(same, 1.0, nan).reshape((-1,) + (1,) * (computed[name].ndim - 1))
             computed[name] = computed[name] * factor
