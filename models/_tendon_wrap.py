@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from mujoco_warp._src.types import MJ_MAXVAL, MJ_MINVAL
 
+from .mujoco import _mj_safe_div as _safe_div, _safe_norm
+
 
 def _dot(a, b):
     return jnp.sum(a * b, axis=-1)
@@ -26,20 +28,13 @@ def _cross2(a, b):
 
 def _norm(v):
     """``|v|`` over the last axis, with a zero (not NaN) derivative at ``v = 0``."""
-    squared = _dot(v, v)
-    nonzero = squared > 0.0
-    return jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, squared, 1.0)), 0.0)
+    return _safe_norm(v)[..., 0]
 
 
 def _normalize_with_norm(v):
     """``math.normalize_with_norm``: ``(v / |v|, |v|)``, and ``(v, 0)`` where ``|v|`` is 0."""
     norm = _norm(v)
     return jnp.where((norm == 0.0)[..., None], v, v / jnp.where(norm == 0.0, 1.0, norm)[..., None]), norm
-
-
-def _safe_div(x, y):
-    """``math.safe_div``: ``x / y``, dividing by ``MJ_MINVAL`` where ``y`` is 0."""
-    return x / jnp.where(y != 0.0, y, MJ_MINVAL)
 
 
 def _arctan2(y, x):

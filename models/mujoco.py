@@ -1934,9 +1934,14 @@ def _capsule_capsule(pos1, rot1, size1, pos2, rot2, size2, cid, _launch):
                                       pos2 + axis2 * half2, cid)
     dist, pos, normal = _sphere_sphere(pos1 + axis1 * half1 * (2 * s - 1), size1[:, 0],
                                        pos2 + axis2 * half2 * (2 * t - 1), size2[:, 0])
-    made = (cid != 1) | parallel
-    return (jnp.where(made, dist, jnp.inf), jnp.where(made[:, None], pos, 0.0),
-            jnp.where(made[:, None, None], _make_frame(normal), 0.0))
+    return _made_only((cid != 1) | parallel, dist, pos, _make_frame(normal), jnp.inf)
+
+
+def _made_only(made, dist, pos, frame, unmade_dist):
+    """A slot's contact where the collision function ``made`` it; elsewhere what the kernel writes for a candidate
+    it did not make (a geom-distance sensor's pair writes those): ``unmade_dist``, a zero position and frame."""
+    return (jnp.where(made, dist, unmade_dist), jnp.where(made[:, None], pos, 0.0),
+            jnp.where(made[:, None, None], frame, 0.0))
 
 
 def _mj_safe_div(x, y):
@@ -2062,9 +2067,7 @@ def _capsule_box(pos1, rot1, size1, pos2, rot2, size2, cid, _launch):
     twice = cid == 1
     centre = pos2 + _matvec(rot2, p + h * (first + jnp.where(twice, second, 0.0))[:, None])
     dist, pos, frame = _sphere_box(centre, None, size1, pos2, rot2, size2, cid, _launch)
-    made = any_contact & ~(twice & (second <= -3))
-    return (jnp.where(made, dist, MJ_MAXVAL), jnp.where(made[:, None], pos, 0.0),
-            jnp.where(made[:, None, None], frame, 0.0))
+    return _made_only(any_contact & ~(twice & (second <= -3)), dist, pos, frame, MJ_MAXVAL)
 
 
 def _box_box_axis(rot, pos21, pos12, size1, size2, septol):
